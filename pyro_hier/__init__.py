@@ -1,0 +1,25 @@
+"""pyro-hier: fast, accurate inference for large hierarchical Pyro models.
+
+The flow is one way: model → :mod:`pyro_hier.structure` (plates, sites, parents, observed data) → guide family →
+ELBO or estimator. Test problems with exact answers live in :mod:`pyro_hier.problems`.
+"""
+
+from pyro_hier.errors import StructureError
+from pyro_hier.guides import AutoBranchGuide
+from pyro_hier.plates import PlateCall, capture_plates
+from pyro_hier.structure import LatentSite, ModelStructure, ObservedSite, PlateInfo, inspect_model
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AutoBranchGuide",
+    "LatentSite",
+    "ModelStructure",
+    "ObservedSite",
+    "PlateCall",
+    "PlateInfo",
+    "StructureError",
+    "__version__",
+    "capture_plates",
+    "inspect_model",
+]

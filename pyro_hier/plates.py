@@ -1,0 +1,159 @@
+"""Plates as the model opens them: sizes and the model's *own* subsample indices, captured at run time.
+
+Pyro's autoguides open their own plates and draw their own random subsample, which the model then silently adopts
+through replay, even when the model asked for specific indices with ``pyro.plate(name, N, subsample=idx)``
+(pyro-ppl/pyro#3468). The guides of this package instead ask the model which indices it uses on *this* call:
+:func:`capture_plates` runs the model just far enough to see every plate open, under :func:`pyro.poutine.block` so
+nothing leaks into the caller's traces, and :func:`open_plates` opens the guide's plates with exactly those indices.
+Per-element parameters that are full-size ``PyroParam(..., event_dim=k)`` are then sliced to the right rows by
+Pyro's own :class:`~pyro.poutine.subsample_messenger.SubsampleMessenger`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+import pyro
+import torch
+from pyro import poutine
+from pyro.poutine.messenger import Messenger
+from pyro.poutine.subsample_messenger import _Subsample
+
+from pyro_hier.errors import StructureError
+
+__all__ = ["PlateCall", "capture_plates", "check_plate_sizes", "open_plates"]
+
+
+@dataclass(frozen=True)
+class PlateCall:
+    """What one call of the model did with one plate.
+
+    :ivar name: the plate's name.
+    :ivar size: the plate's full size ``N``.
+    :ivar indices: the indices of the elements used in this call (length ``subsample_size``).
+    :ivar user_indices: ``True`` when the model chose them itself with ``pyro.plate(..., subsample=idx)``;
+        ``False`` when Pyro drew them at random (``subsample_size=B``) or the plate is not subsampled.
+    """
+
+    name: str
+    size: int
+    indices: torch.Tensor
+    user_indices: bool
+
+    @property
+    def subsample_size(self) -> int:
+        return int(self.indices.shape[0])
+
+    @property
+    def subsampled(self) -> bool:
+        return self.subsample_size < self.size
+
+
+class _AllPlatesSeen(Exception):
+    """Raised inside the model to stop it once every plate of interest has been opened."""
+
+
+class PlateRecorder(Messenger):
+    """Records every plate the model creates: its full size and the indices it uses.
+
+    A plate announces itself with a sample site of the plate's name whose distribution is Pyro's private
+    ``_Subsample``; its value is already set when the model passed ``subsample=idx`` and is drawn otherwise.
+
+    :param stop_after: if given, raise an internal signal to stop the model as soon as all these plates are seen.
+    """
+
+    def __init__(self, stop_after: Iterable[str] | None = None) -> None:
+        super().__init__()
+        self.calls: dict[str, PlateCall] = {}
+        self._user_given: dict[str, bool] = {}
+        self._stop_after = None if stop_after is None else frozenset(stop_after)
+
+    def _pyro_sample(self, msg) -> None:
+        if isinstance(msg["fn"], _Subsample):
+            self._user_given[msg["name"]] = msg["value"] is not None
+
+    def _pyro_post_sample(self, msg) -> None:
+        if not isinstance(msg["fn"], _Subsample):
+            return
+        name = msg["name"]
+        self.calls[name] = PlateCall(
+            name=name,
+            size=int(msg["fn"].size),
+            indices=msg["value"],
+            user_indices=self._user_given.get(name, False),
+        )
+        if self._stop_after is not None and self._stop_after <= self.calls.keys():
+            raise _AllPlatesSeen
+
+
+def capture_plates(
+    model: Callable, args: tuple = (), kwargs: dict | None = None, *, names: Iterable[str] | None = None
+) -> dict[str, PlateCall]:
+    """Run ``model(*args, **kwargs)`` until every plate in ``names`` has been opened and return what it did.
+
+    The model runs hidden from every outer handler (nothing enters the caller's trace, no outer plate broadcasts it)
+    and stops as soon as the last plate in ``names`` is created, so the cost is that of the model's code up to its
+    innermost plate. With ``names=None`` the whole model runs.
+
+    Example::
+
+        def model(idx):
+            with pyro.plate("groups", 100, subsample=idx):
+                pyro.sample("z", dist.Normal(0, 1))
+
+        capture_plates(model, (torch.tensor([3, 5]),))["groups"].indices  # tensor([3, 5])
+    """
+    recorder = PlateRecorder(stop_after=names)
+    with poutine.block(), recorder:
+        try:
+            model(*args, **(kwargs or {}))
+        except _AllPlatesSeen:
+            pass
+    return recorder.calls
+
+
+def check_plate_sizes(calls: dict[str, PlateCall], sizes: dict[str, int], who: str) -> None:
+    """Raise a :class:`StructureError` if a plate is missing from ``calls`` or changed its full size since ``sizes``
+    was recorded. ``who`` names the object whose parameters depend on the sizes (used in the message)."""
+    for name, size in sizes.items():
+        call = calls.get(name)
+        if call is None:
+            raise StructureError(
+                f"plate '{name}' was opened by the model when {who} was built, but not in this call. "
+                "The guide needs the same plates on every call: open the plate unconditionally."
+            )
+        if call.size != size:
+            raise StructureError(
+                f"plate '{name}' has full size {call.size} in this call but {size} when {who} was built; its "
+                "per-element parameters cannot change size. Pass the full plate size to pyro.plate and select "
+                "elements with subsample=..., or build a new guide for the new data."
+            )
+
+
+def open_plates(calls: dict[str, PlateCall], dims: dict[str, int]) -> dict[str, pyro.plate]:
+    """Create the guide's plates (not yet entered) with exactly the indices of ``calls``.
+
+    ``dims`` maps each plate to the dim the model uses for it. Because the guide's plate then uses the model's own
+    indices, Pyro's replay of the guide's subsample into the model changes nothing.
+    """
+    plates = {}
+    for name, dim in dims.items():
+        call = calls[name]
+        if call.user_indices and not call.subsampled:
+            if not torch.equal(call.indices, torch.arange(call.size, device=call.indices.device)):
+                raise StructureError(
+                    f"plate '{name}' was given subsample indices that cover all {call.size} elements in a new order; "
+                    "Pyro's plates slice parameters only for proper subsamples, so per-element parameters would be "
+                    "silently misaligned. Pass the indices sorted, or subsample=None for the full plate."
+                )
+        subsample = call.indices if call.subsampled else None
+        plates[name] = pyro.plate(name, call.size, subsample=subsample, dim=dim)
+    return plates
+
+
+def enter_plates(stack: ExitStack, plates: dict[str, pyro.plate], names: Iterable[str]) -> None:
+    """Enter ``plates[name]`` for every name, in order, on an :class:`~contextlib.ExitStack`."""
+    for name in names:
+        stack.enter_context(plates[name])

@@ -1,0 +1,586 @@
+"""What a model looks like: its latent and observed sites, its plates and how they nest, and who depends on whom.
+
+Every guide and estimator of pyro-hier starts from :func:`inspect_model`, so that no class re-derives the
+structure of the model. One prototype trace of the model (run twice, to catch structure that changes between calls)
+is turned into a plain description, :class:`ModelStructure`:
+
+- latent sites (:class:`LatentSite`): shape at the plates' *full* sizes, event dim, support, the shape and event dim
+  of the site in unconstrained space ``u = biject_to(support)^{-1}(z)``, discrete or not, reparameterisable or not;
+- observed sites (:class:`ObservedSite`) and their values;
+- plates (:class:`PlateInfo`): dim, full size, subsample size and the model's *own* subsample indices when it gave
+  them, the plate tree (plate ``P`` nests in ``Q`` when every site inside ``P`` is also inside ``Q``) and the crossed
+  pairs (plates that share a site without either nesting in the other);
+- for each latent site its plates, its parents in the model (:func:`pyro.infer.inspect.get_dependencies`) and its
+  *plate ancestors*: the latent sites whose plates are a strict subset of its own. In a two-level model these are
+  the globals; with nested plates they form the tree that the branch families of Agrawal & Domke (2021) follow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+from pyro import poutine
+from pyro.distributions.torch_distribution import TorchDistributionMixin
+from pyro.poutine.subsample_messenger import _Subsample
+from torch.distributions import biject_to, constraints
+
+from pyro_hier.errors import StructureError
+from pyro_hier.plates import PlateRecorder
+
+__all__ = ["LatentSite", "ModelStructure", "ObservedSite", "PlateInfo", "PlateLevel", "inspect_model"]
+
+
+@dataclass(frozen=True)
+class PlateInfo:
+    """One vectorised plate of the model.
+
+    :ivar name: plate name.
+    :ivar dim: the (negative) batch dim the plate occupies, or ``None`` if no sample site lies in it.
+    :ivar size: the full size ``N``.
+    :ivar subsample_size: how many elements the prototype call used (``N`` when not subsampled).
+    :ivar subsample: the model's own indices when it passed ``pyro.plate(..., subsample=idx)``, else ``None``.
+    :ivar parent: the enclosing plate in the plate tree, or ``None`` at the top.
+    """
+
+    name: str
+    dim: int | None
+    size: int
+    subsample_size: int
+    subsample: torch.Tensor | None
+    parent: str | None
+
+    @property
+    def subsampled(self) -> bool:
+        return self.subsample_size < self.size
+
+
+@dataclass(frozen=True)
+class _Site:
+    name: str
+    fn: TorchDistributionMixin = field(repr=False)
+    value: torch.Tensor = field(repr=False)
+    plates: tuple[str, ...]
+    plate_dims: tuple[int, ...]
+    event_dim: int
+    shape: torch.Size
+
+    @property
+    def batch_shape(self) -> torch.Size:
+        """Batch shape at the plates' full sizes."""
+        return self.shape[: len(self.shape) - self.event_dim]
+
+    @property
+    def event_shape(self) -> torch.Size:
+        return self.shape[len(self.shape) - self.event_dim :]
+
+
+@dataclass(frozen=True)
+class ObservedSite(_Site):
+    """An observed sample site: ``value`` is the observation of the prototype call (subsampled if the plate was);
+    ``shape`` is its shape at the plates' full sizes."""
+
+
+@dataclass(frozen=True)
+class LatentSite(_Site):
+    """A latent sample site.
+
+    :ivar shape: value shape with every plate at its full size (batch shape + event shape).
+    :ivar support: the distribution's support.
+    :ivar discrete: ``True`` for a discrete support.
+    :ivar reparameterized: ``True`` when the distribution has ``rsample``.
+    :ivar enumerated: ``True`` when the model marks it ``infer={"enumerate": "parallel"}`` (or via
+        ``config_enumerate``).
+    :ivar unconstrained_shape: the shape of ``biject_to(support).inv(value)`` at full plate sizes (``None`` for
+        discrete sites).
+    :ivar unconstrained_event_dim: event dim in unconstrained space (``None`` for discrete sites).
+    :ivar plate_ancestors: latent sites whose plates are a strict subset of this site's plates, in model order.
+    """
+
+    support: constraints.Constraint = field(repr=False, default=constraints.real)
+    discrete: bool = False
+    reparameterized: bool = True
+    enumerated: bool = False
+    unconstrained_shape: torch.Size | None = None
+    unconstrained_event_dim: int | None = None
+    plate_ancestors: tuple[str, ...] = ()
+
+    @property
+    def is_global(self) -> bool:
+        return not self.plates
+
+    @property
+    def element_numel(self) -> int:
+        """Size of the site's unconstrained value for *one* element of its plates: the product of the unconstrained
+        shape over every dim that is not a plate (what a per-element conditional models jointly)."""
+        if self.unconstrained_shape is None:
+            raise StructureError(f"site '{self.name}' is discrete and has no unconstrained representation")
+        n = 1
+        batch_len = len(self.unconstrained_shape) - self.unconstrained_event_dim
+        for pos, size in enumerate(self.unconstrained_shape):
+            if pos - batch_len not in self.plate_dims:
+                n *= size
+        return n
+
+
+@dataclass(frozen=True)
+class PlateLevel:
+    """Latent sites that share one set of plates, seen as one vector per element of those plates.
+
+    Guides that follow the plate structure model each level jointly: the element vector concatenates, for every
+    site of the level, its unconstrained value at one plate element (``sites[k]`` occupies
+    ``offsets[k]:offsets[k+1]``). A level's *ancestors* are the levels whose plates are a strict subset of its own.
+
+    :ivar name: ``"globals"`` for sites in no plate, else the plate names joined by ``"__"``.
+    :ivar plates: the level's plates, outermost first.
+    :ivar dims: the plates' dims.
+    :ivar sites: the level's sites in model order.
+    :ivar offsets: start of each site's block in the element vector, plus the total at the end.
+    :ivar ancestors: names of the ancestor levels, in level order.
+    :ivar batch_shape: full plate sizes at the plates' dims and 1 elsewhere (``()`` for globals).
+    """
+
+    name: str
+    plates: tuple[str, ...]
+    dims: tuple[int, ...]
+    sites: tuple[str, ...]
+    offsets: tuple[int, ...]
+    ancestors: tuple[str, ...]
+    batch_shape: torch.Size
+
+    @property
+    def numel(self) -> int:
+        """Length of one element's vector."""
+        return self.offsets[-1]
+
+    @property
+    def is_global(self) -> bool:
+        return not self.plates
+
+    def block(self, site: str) -> slice:
+        """Where ``site`` sits in the element vector."""
+        k = self.sites.index(site)
+        return slice(self.offsets[k], self.offsets[k + 1])
+
+
+class ModelStructure:
+    """The plain description of a model returned by :func:`inspect_model`.
+
+    :ivar latent: latent sites in the order the model samples them.
+    :ivar observed: observed sites in model order.
+    :ivar plates: the model's vectorised plates, outermost first.
+    :ivar deterministic: names of ``pyro.deterministic`` sites.
+    :ivar trace: the prototype :class:`~pyro.poutine.Trace` (values are those of the prototype call).
+    """
+
+    def __init__(
+        self,
+        model: Callable,
+        args: tuple,
+        kwargs: dict,
+        trace: poutine.Trace,
+        latent: dict[str, LatentSite],
+        observed: dict[str, ObservedSite],
+        plates: dict[str, PlateInfo],
+        deterministic: tuple[str, ...],
+    ) -> None:
+        self.model = model
+        self.args = args
+        self.kwargs = kwargs
+        self.trace = trace
+        self.latent = latent
+        self.observed = observed
+        self.plates = plates
+        self.deterministic = deterministic
+
+    def __repr__(self) -> str:
+        lines = ["ModelStructure("]
+        for p in self.plates.values():
+            sub = f", subsample {p.subsample_size}" if p.subsampled else ""
+            lines.append(f"  plate {p.name!r}: dim {p.dim}, size {p.size}{sub}, parent {p.parent!r}")
+        for s in self.latent.values():
+            kind = "discrete" if s.discrete else "continuous"
+            lines.append(
+                f"  latent {s.name!r}: shape {tuple(s.shape)}, event_dim {s.event_dim}, {kind}, "
+                f"plates {s.plates}, plate ancestors {s.plate_ancestors}"
+            )
+        for s in self.observed.values():
+            lines.append(f"  observed {s.name!r}: shape {tuple(s.shape)}, plates {s.plates}")
+        lines.append(")")
+        return "\n".join(lines)
+
+    # ---- plates -------------------------------------------------------------------------------------------------
+    @property
+    def max_plate_nesting(self) -> int:
+        """The number of batch dims plates use (``max(-dim)``), as Pyro's ELBOs and ``Predictive`` need it."""
+        dims = [-p.dim for p in self.plates.values() if p.dim is not None]
+        return max(dims, default=0)
+
+    @property
+    def plate_children(self) -> dict[str | None, tuple[str, ...]]:
+        """The plate tree: each plate's children, with ``None`` the root."""
+        children: dict[str | None, list[str]] = {None: []}
+        for name in self.plates:
+            children.setdefault(name, [])
+        for name, p in self.plates.items():
+            children[p.parent].append(name)
+        return {k: tuple(v) for k, v in children.items()}
+
+    @cached_property
+    def crossed_plates(self) -> tuple[frozenset[str], ...]:
+        """Pairs of plates that share a site while neither nests in the other (e.g. students × lecturers)."""
+        members = self._plate_members
+        names = list(self.plates)
+        pairs = []
+        for i, a in enumerate(names):
+            for b in names[i + 1 :]:
+                if members[a] & members[b] and not (members[a] <= members[b] or members[b] <= members[a]):
+                    pairs.append(frozenset((a, b)))
+        return tuple(pairs)
+
+    @cached_property
+    def _plate_members(self) -> dict[str, frozenset[str]]:
+        sites = [*self.latent.values(), *self.observed.values()]
+        return {p: frozenset(s.name for s in sites if p in s.plates) for p in self.plates}
+
+    @property
+    def subsampled_plates(self) -> tuple[str, ...]:
+        return tuple(name for name, p in self.plates.items() if p.subsampled)
+
+    # ---- sites --------------------------------------------------------------------------------------------------
+    @property
+    def global_sites(self) -> tuple[str, ...]:
+        """Latent sites in no plate."""
+        return tuple(n for n, s in self.latent.items() if not s.plates)
+
+    @property
+    def local_sites(self) -> tuple[str, ...]:
+        """Latent sites inside at least one plate."""
+        return tuple(n for n, s in self.latent.items() if s.plates)
+
+    def plate_dim(self, site: str, plate: str) -> int:
+        """Position of ``plate`` in ``site``'s full value, counted from the right (includes the event dims)."""
+        s = self.latent.get(site) or self.observed[site]
+        dim = self.plates[plate].dim
+        assert dim is not None
+        return dim - s.event_dim
+
+    @cached_property
+    def dependencies(self) -> dict[str, dict]:
+        """Pyro's :func:`~pyro.infer.inspect.get_dependencies` of the model (prior and posterior dependencies),
+        computed once on first use with the prototype's arguments."""
+        from pyro.infer.inspect import get_dependencies
+
+        try:
+            return get_dependencies(self.model, self.args, self.kwargs)
+        except Exception as e:  # provenance tracking can fail on exotic tensor ops
+            raise StructureError(
+                f"could not trace the dependencies between sites of the model ({type(e).__name__}: {e}). "
+                "Parents are needed only by guides that condition on them; the rest of the structure is available."
+            ) from e
+
+    @cached_property
+    def parents(self) -> dict[str, tuple[str, ...]]:
+        """Each latent and observed site's latent parents in the model (the sites its distribution depends on)."""
+        prior = self.dependencies["prior_dependencies"]
+        out = {}
+        for name in [*self.latent, *self.observed]:
+            deps = prior.get(name, {})
+            out[name] = tuple(p for p in self.latent if p in deps and p != name)
+        return out
+
+    def plate_levels(self, sites: list[str] | tuple[str, ...] | None = None) -> tuple[PlateLevel, ...]:
+        """Group continuous latent ``sites`` (default: all continuous, non-enumerated latents) by their plates.
+
+        Levels come in an order where every level follows its ancestors (fewer plates first, then model order).
+
+        :raises StructureError: for a discrete site, or a local site with a batch dim of size > 1 that is not a plate
+            (a per-element vector must be an event: use ``.to_event(1)``).
+        """
+        if sites is None:
+            sites = [n for n, s in self.latent.items() if not s.discrete and not s.enumerated]
+        groups: dict[frozenset[str], list[str]] = {}
+        for name in sites:
+            site = self.latent[name]
+            if site.discrete:
+                raise StructureError(f"site '{name}' is discrete; plate levels hold continuous sites only")
+            if site.plates:
+                batch_len = len(site.unconstrained_shape) - site.unconstrained_event_dim
+                for pos in range(batch_len):
+                    dim = pos - batch_len
+                    if dim not in site.plate_dims and site.unconstrained_shape[pos] != 1:
+                        raise StructureError(
+                            f"site '{name}' has a batch dim {dim} of size {site.unconstrained_shape[pos]} that is not "
+                            "a plate. Declare per-element vectors as events (e.g. dist.Normal(loc, 1).to_event(1)) "
+                            "or put that dim in a pyro.plate."
+                        )
+            groups.setdefault(frozenset(site.plates), []).append(name)
+        order = {n: i for i, n in enumerate(self.latent)}
+        keys = sorted(groups, key=lambda k: (len(k), min(order[n] for n in groups[k])))
+        names = {k: "__".join(sorted(k, key=list(self.plates).index)) or "globals" for k in keys}
+        levels = []
+        for k in keys:
+            plates = tuple(sorted(k, key=list(self.plates).index))
+            dims = tuple(self.plates[p].dim for p in plates)
+            members = tuple(groups[k])
+            offsets = [0]
+            for n in members:
+                site = self.latent[n]
+                numel = site.element_numel if plates else _prod(site.unconstrained_shape)
+                offsets.append(offsets[-1] + numel)
+            batch = [1] * max((-d for d in dims), default=0)
+            for p, d in zip(plates, dims):
+                batch[d] = self.plates[p].size
+            levels.append(
+                PlateLevel(
+                    name=names[k],
+                    plates=plates,
+                    dims=dims,
+                    sites=members,
+                    offsets=tuple(offsets),
+                    ancestors=tuple(names[a] for a in keys if a < k),
+                    batch_shape=torch.Size(batch),
+                )
+            )
+        return tuple(levels)
+
+    def validate_trace(self, trace: poutine.Trace) -> None:
+        """Raise a :class:`StructureError` if ``trace`` (of a later call) has different latent sites or puts a site
+        in different plates than the prototype. Guides call this when validation is enabled."""
+        seen = {}
+        for name, site in trace.nodes.items():
+            if _is_latent(site):
+                seen[name] = _site_plates(site)
+        _compare_structures({n: s.plates for n, s in self.latent.items()}, seen, "the prototype call", "this call")
+
+
+# ---- building the description -----------------------------------------------------------------------------------
+def _is_subsample(site: dict) -> bool:
+    return site["type"] == "sample" and isinstance(site["fn"], _Subsample)
+
+
+def _is_deterministic(site: dict) -> bool:
+    return site["type"] == "sample" and site["infer"].get("_deterministic", False)
+
+
+def _is_latent(site: dict) -> bool:
+    return site["type"] == "sample" and not site["is_observed"] and not _is_subsample(site)
+
+
+def _is_observed(site: dict) -> bool:
+    return site["type"] == "sample" and site["is_observed"] and not _is_deterministic(site)
+
+
+def _site_plates(site: dict) -> tuple[str, ...]:
+    """The names of a site's plates, outermost first, after checking they are all vectorised."""
+    for frame in site["cond_indep_stack"]:
+        if not frame.vectorized:
+            raise StructureError(
+                f"site '{site['name']}' is inside the sequential plate '{frame.name}' (a Python loop "
+                f"`for i in pyro.plate(...)`). pyro-hier needs vectorised plates: write "
+                f"`with pyro.plate('{frame.name}', size) as idx:` and index the data with idx."
+            )
+    if "_markov_scope" in site["infer"]:
+        raise StructureError(
+            f"site '{site['name']}' is inside pyro.markov: pyro-hier guides do not model Markov chains. Use a "
+            "guide for state-space models (e.g. AutoNormal with TraceEnum_ELBO) or unroll the chain into a plate."
+        )
+    return tuple(f.name for f in site["cond_indep_stack"] if f.name is not None)
+
+
+def _compare_structures(
+    first: dict[str, tuple[str, ...]], second: dict[str, tuple[str, ...]], first_label: str, second_label: str
+) -> None:
+    for name in first.keys() | second.keys():
+        if name not in second:
+            raise StructureError(
+                f"latent site '{name}' appears in {first_label} but not in {second_label}. pyro-hier guides need "
+                "the same latent sites on every call: sample the site unconditionally (mask it with poutine.mask "
+                "if it should not count)."
+            )
+        if name not in first:
+            raise StructureError(
+                f"latent site '{name}' appears in {second_label} but not in {first_label}. pyro-hier guides need "
+                "the same latent sites on every call: sample the site unconditionally."
+            )
+        if set(first[name]) != set(second[name]):
+            raise StructureError(
+                f"latent site '{name}' is in plates {first[name]} in {first_label} but in {second[name]} in "
+                f"{second_label}. pyro-hier guides need a site to stay in the same plates on every call: open "
+                "its plates unconditionally."
+            )
+
+
+def _trace_once(model: Callable, args: tuple, kwargs: dict) -> tuple[poutine.Trace, PlateRecorder]:
+    recorder = PlateRecorder()
+    with poutine.block():
+        trace = poutine.trace(recorder(model)).get_trace(*args, **kwargs)
+    return trace, recorder
+
+
+def inspect_model(
+    model: Callable, args: tuple = (), kwargs: dict | None = None, *, num_calls: int = 2
+) -> ModelStructure:
+    """Describe a Pyro model: sites, plates, the plate tree, parents and plate ancestors.
+
+    The model is traced ``num_calls`` times with the same arguments, hidden from outer handlers; a site that
+    appears in some calls only, or in different plates between calls, raises a :class:`StructureError`.
+
+    :param model: a Pyro model.
+    :param args: positional arguments of the model.
+    :param kwargs: keyword arguments of the model.
+    :param num_calls: how many prototype calls to compare (1 skips the consistency check).
+    :raises StructureError: for sequential plates, ``pyro.markov``, or structure that changes between calls.
+
+    Example::
+
+        def model(x, y, subsample=None):
+            theta = pyro.sample("theta", dist.Normal(0, 1))
+            with pyro.plate("groups", len(y), subsample=subsample, dim=-1) as i:
+                z = pyro.sample("z", dist.Normal(theta, 1))
+                pyro.sample("y", dist.Normal(z * x[i], 1), obs=y[i])
+
+        s = inspect_model(model, (x, y), {"subsample": torch.tensor([0, 3])})
+        s.plates["groups"].size            # the full size, len(y)
+        s.plates["groups"].subsample       # tensor([0, 3])
+        s.latent["z"].plate_ancestors      # ("theta",)
+    """
+    kwargs = {} if kwargs is None else kwargs
+    if num_calls < 1:
+        raise ValueError(f"num_calls must be at least 1, got {num_calls}")
+    trace, recorder = _trace_once(model, args, kwargs)
+    first = {n: _site_plates(s) for n, s in trace.nodes.items() if _is_latent(s)}
+    for _ in range(num_calls - 1):
+        other, _ = _trace_once(model, args, kwargs)
+        _compare_structures(
+            first, {n: _site_plates(s) for n, s in other.nodes.items() if _is_latent(s)}, "one call", "another call"
+        )
+
+    sites = [s for s in trace.nodes.values() if _is_latent(s) or _is_observed(s)]
+    frames = {}
+    stack_order: dict[str, int] = {}
+    for site in sites:
+        _site_plates(site)
+        for pos, frame in enumerate(site["cond_indep_stack"]):
+            frames.setdefault(frame.name, frame)
+            stack_order[frame.name] = min(stack_order.get(frame.name, pos), pos)
+            if frames[frame.name].dim != frame.dim:
+                raise StructureError(f"plate '{frame.name}' is used at dims {frames[frame.name].dim} and {frame.dim}")
+
+    plates = _describe_plates(sites, frames, stack_order, recorder)
+
+    site_plates = {s["name"]: tuple(sorted(_site_plates(s), key=stack_order.__getitem__)) for s in sites}
+    latent_plates = {s["name"]: set(site_plates[s["name"]]) for s in sites if _is_latent(s)}
+    latent: dict[str, LatentSite] = {}
+    observed: dict[str, ObservedSite] = {}
+    for site in sites:
+        name = site["name"]
+        names = site_plates[name]
+        common = dict(
+            name=name,
+            fn=site["fn"],
+            value=site["value"],
+            plates=names,
+            plate_dims=tuple(plates[p].dim for p in names),
+            event_dim=site["fn"].event_dim,
+            shape=_full_shape(site["value"].shape, site["fn"].event_dim, names, plates),
+        )
+        if _is_latent(site):
+            ancestors = tuple(a for a, ps in latent_plates.items() if ps < latent_plates[name])
+            latent[name] = _describe_latent(site, common, ancestors)
+        else:
+            observed[name] = ObservedSite(**common)
+
+    deterministic = tuple(n for n, s in trace.nodes.items() if _is_deterministic(s))
+    return ModelStructure(model, args, kwargs, trace, latent, observed, plates, deterministic)
+
+
+def _describe_plates(sites, frames, stack_order, recorder: PlateRecorder) -> dict[str, PlateInfo]:
+    members = {
+        name: {s["name"] for s in sites if any(f.name == name for f in s["cond_indep_stack"])} for name in frames
+    }
+    names = sorted(frames, key=lambda n: (stack_order[n], -frames[n].dim))
+    # plates opened by the model but holding no sample site: known from the recorder only
+    names += [n for n in recorder.calls if n not in frames]
+
+    def parent_of(name: str) -> str | None:
+        if name not in frames:
+            return None
+        candidates = [
+            q
+            for q in frames
+            if q != name
+            and members[name] <= members[q]
+            and (members[name] < members[q] or stack_order[q] < stack_order[name])
+        ]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda q: (len(members[q]), -stack_order[q]))
+
+    plates = {}
+    for name in names:
+        call = recorder.calls.get(name)
+        frame = frames.get(name)
+        if call is not None:
+            size, sub_size = call.size, call.subsample_size
+            subsample = call.indices if call.user_indices else None
+        else:  # a plate created without a size (pyro.plate(name, dim=...)): sizes come from the frame
+            size = frame.full_size if frame.full_size is not None else frame.size
+            sub_size, subsample = frame.size, None
+        plates[name] = PlateInfo(
+            name=name,
+            dim=None if frame is None else frame.dim,
+            size=int(size),
+            subsample_size=int(sub_size),
+            subsample=subsample,
+            parent=parent_of(name),
+        )
+    return plates
+
+
+def _prod(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _full_shape(shape: torch.Size, event_dim: int, plate_names, plates: dict[str, PlateInfo]) -> torch.Size:
+    """Replace each plate's (possibly subsampled) size in ``shape`` by the plate's full size."""
+    full = list(shape)
+    for name in plate_names:
+        p = plates[name]
+        pos = len(shape) - event_dim + p.dim
+        if 0 <= pos < len(full) and full[pos] == p.subsample_size:
+            full[pos] = p.size
+    return torch.Size(full)
+
+
+def _describe_latent(site: dict, common: dict, plate_ancestors: tuple[str, ...]) -> LatentSite:
+    fn = site["fn"]
+    support = fn.support
+    shape = common["shape"]
+    discrete = bool(support.is_discrete)
+    u_shape = u_event_dim = None
+    if not discrete:
+        try:
+            transform = biject_to(support)
+        except NotImplementedError as e:
+            raise StructureError(
+                f"site '{site['name']}' has support {support}, which has no bijection to unconstrained space "
+                "(torch.distributions.biject_to). Reparameterise the site with a supported distribution."
+            ) from e
+        u_shape = transform.inv.forward_shape(shape)
+        u_event_dim = fn.event_dim + len(u_shape) - len(shape)
+    return LatentSite(
+        **common,
+        support=support,
+        discrete=discrete,
+        reparameterized=bool(getattr(fn, "has_rsample", False)),
+        enumerated=site["infer"].get("enumerate") == "parallel",
+        unconstrained_shape=u_shape,
+        unconstrained_event_dim=u_event_dim,
+        plate_ancestors=plate_ancestors,
+    )
