@@ -17,8 +17,12 @@ __all__ = ["prox_positive", "prox_positive_inv", "raw_from_scale_tril", "scale_t
 
 
 def prox_positive(x: torch.Tensor) -> torch.Tensor:
-    """``½ (x + sqrt(x² + 4))``: a smooth bijection from ℝ to (0, ∞)."""
-    return 0.5 * (x + torch.sqrt(x * x + 4.0))
+    """``½ (x + sqrt(x² + 4))``: a smooth bijection from ℝ to (0, ∞).
+
+    Computed without cancellation: the equal form ``2 / (sqrt(x² + 4) - x)`` for ``x < 0``; each branch sees its
+    input clamped to its own half-line, so both stay finite everywhere and so do gradients."""
+    xp, xn = x.clamp(min=0), x.clamp(max=0)
+    return torch.where(x >= 0, 0.5 * (xp + torch.sqrt(xp * xp + 4.0)), 2.0 / (torch.sqrt(xn * xn + 4.0) - xn))
 
 
 def prox_positive_inv(s: torch.Tensor) -> torch.Tensor:

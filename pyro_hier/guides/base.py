@@ -47,7 +47,7 @@ class HierarchicalGuide(AutoGuide):
         create_plates: Callable | None = None,
     ) -> None:
         self.init_loc_fn = init_loc_fn
-        model = InitMessenger(init_loc_fn)(model)
+        model = InitMessenger(_ContinuousInit(init_loc_fn))(model)
         super().__init__(model, create_plates=create_plates)
         self.structure: ModelStructure | None = None
 
@@ -176,6 +176,19 @@ class HierarchicalGuide(AutoGuide):
     def _require_setup(self, *args, **kwargs) -> None:
         if self.prototype_trace is None:
             self._setup_prototype(*args, **kwargs)
+
+
+class _ContinuousInit:
+    """An init strategy that leaves discrete sites to their prior: the guide does not model them (they are
+    enumerated), so unlike ``AutoNormal`` the user need not hide them with ``poutine.block``."""
+
+    def __init__(self, init_loc_fn: Callable) -> None:
+        self.init_loc_fn = init_loc_fn
+
+    def __call__(self, site: dict) -> torch.Tensor:
+        if site["fn"].support.is_discrete:
+            return site["fn"].sample().detach()
+        return self.init_loc_fn(site)
 
 
 def _strip_trailing_ones(shape: Iterable[int], n: int) -> torch.Size:

@@ -16,7 +16,7 @@ from torch.distributions import biject_to, constraints
 from pyro_hier.guides.base import HierarchicalGuide
 from pyro_hier.plates import enter_plates
 from pyro_hier.structure import ModelStructure, PlateLevel
-from pyro_hier.transforms import prox_positive, prox_positive_inv, scale_tril_from_raw
+from pyro_hier.transforms import prox_positive, prox_positive_inv, raw_from_scale_tril, scale_tril_from_raw
 
 __all__ = ["AutoBranchGuide"]
 
@@ -50,7 +50,9 @@ class AutoBranchGuide(HierarchicalGuide):
     Per-element parameters have the plates' **full** sizes and are ``PyroParam``\ s with an ``event_dim``, so the
     model's own subsample indices (``pyro.plate(name, N, subsample=idx)``, honoured automatically) slice them; the
     minibatch ELBO is then the unbiased estimator of the paper's eq. 10. Parameters of groups outside the minibatch
-    get no gradient.
+    get exactly zero gradient (plain SGD leaves them untouched; Adam's momentum still moves the groups seen in
+    earlier steps, as for any optimiser with state). Memory and optimiser work grow with the number of groups —
+    ``d²`` numbers per group for ``"dense"`` — which is what ``AutoAmortizedBranchGuide`` avoids.
 
     Example::
 
@@ -120,46 +122,84 @@ class AutoBranchGuide(HierarchicalGuide):
     def _ancestor_numel(self, level: PlateLevel) -> int:
         return sum(self._levels[a].numel for a in level.ancestors)
 
-    def _level_params(self, level: PlateLevel) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """``(loc, weight, scale)`` of a level as the guide uses them (sliced when called under its plates).
+    def _row_scale(self, level: PlateLevel) -> torch.Tensor:
+        """The diagonal of the level's Cholesky factor (its sds for ``"diagonal"``), sliced under its plates."""
+        if self._is_diagonal(level):
+            return prox_positive(getattr(self.scales, level.name))
+        return prox_positive(getattr(self.scale_trils, level.name).diagonal(dim1=-2, dim2=-1))
 
-        ``scale`` is the Cholesky factor ``L`` (or the vector of sds for ``"diagonal"``). The free weight ``W`` is
-        stored relative to the rows' scales, ``A = diag(s) W``, for the same reason as the off-diagonal of ``L``
-        (see :func:`~pyro_hier.transforms.scale_tril_from_raw`)."""
+    def _level_params(self, level: PlateLevel) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """``(loc, weight, scale)`` of a level in the guide's internal, well-conditioned form.
+
+        The guide samples ``u = loc + weight @ ((u_anc - loc_anc) / s_anc) + L ε`` with ``weight = diag(s) W``:
+        ``loc`` is the level's marginal mean and the free weight ``W`` is dimensionless (own sds per ancestor
+        sd), so ``loc`` and ``W`` do not trade off along flat valleys and every entry of ``W`` has a curvature of
+        order one — plain SGD on the paper's ``(μ_i, A_i)`` is badly conditioned. ``scale`` is ``L`` (the vector of
+        sds for ``"diagonal"``), with off-diagonals relative to the rows' scales (see
+        :func:`~pyro_hier.transforms.scale_tril_from_raw`). :meth:`conditional` gives the paper's form."""
         loc = getattr(self.locs, level.name)
         if self._is_diagonal(level):
             scale = prox_positive(getattr(self.scales, level.name))
-            row_scale = scale
         else:
             scale = scale_tril_from_raw(getattr(self.scale_trils, level.name))
-            row_scale = scale.diagonal(dim1=-2, dim2=-1)
         weight = None
         if self._is_conditional(level):
-            weight = row_scale.unsqueeze(-1) * getattr(self.weights, level.name)
+            weight = self._row_scale(level).unsqueeze(-1) * getattr(self.weights, level.name)
         return loc, weight, scale
+
+    def _standardized_ancestors(self, level: PlateLevel, values: dict[str, torch.Tensor]) -> torch.Tensor:
+        parts = []
+        for a in level.ancestors:
+            anc = self._levels[a]
+            parts.append((values[a] - getattr(self.locs, a)) / self._row_scale(anc))
+        return _concat_broadcast(parts)
+
+    def _effective_weight(self, level: PlateLevel, weight: torch.Tensor) -> torch.Tensor:
+        """``A`` of the paper's ``μ + A u_anc``: the internal weight divided by the ancestors' scales."""
+        anc_scale = _concat_broadcast([self._row_scale(self._levels[a]) for a in level.ancestors])
+        return weight / anc_scale.unsqueeze(-2)
 
     def conditional(self, level: str) -> dict[str, torch.Tensor | None]:
         """The parameters of ``q(u_{level,i} | u_anc) = N(loc + weight @ u_anc, scale_tril scale_trilᵀ)`` at full
-        plate size: ``loc`` (batch, d), ``weight`` (batch, d, d_anc) or ``None``, ``scale_tril`` (batch, d, d).
-
-        (Internally the guide conditions on ``u_anc - E[u_anc]``; the ``loc`` returned here is the equivalent
-        uncentred one, as in the paper's ``N(μ_i + A_i θ, Σ_i)``.)"""
+        plate size, in the paper's form ``N(μ_i + A_i θ, Σ_i)``: ``loc`` (batch, d), ``weight`` (batch, d, d_anc) or
+        ``None``, ``scale_tril`` (batch, d, d). ``u_anc`` concatenates the ancestor levels in ``level.ancestors``
+        order."""
         lvl = self._levels[level]
         loc, weight, scale = self._level_params(lvl)
         if weight is not None:
+            weight = self._effective_weight(lvl, weight)
             anc_mean = _concat_broadcast([getattr(self.locs, a) for a in lvl.ancestors])
             loc = loc - (weight @ anc_mean.unsqueeze(-1)).squeeze(-1)
         scale_tril = torch.diag_embed(scale) if self._is_diagonal(lvl) else scale
         return {"loc": loc, "weight": weight, "scale_tril": scale_tril}
 
+    @torch.no_grad()
+    def set_conditional(
+        self, level: str, *, loc: torch.Tensor, scale_tril: torch.Tensor, weight: torch.Tensor | None = None
+    ) -> None:
+        """Set ``q(u_{level,i} | u_anc)`` from the paper's form (the inverse of :meth:`conditional`), e.g. to start
+        from a previous fit or a known posterior. Set ancestor levels first. ``scale_tril`` must be diagonal for
+        ``covariance="diagonal"``; ``weight`` is required exactly when the level is conditional."""
+        lvl = self._levels[level]
+        if (weight is not None) != self._is_conditional(lvl):
+            raise ValueError(f"level '{level}' {'needs' if self._is_conditional(lvl) else 'has no'} weight")
+        if self._is_diagonal(lvl):
+            getattr(self.scales, level).copy_(prox_positive_inv(scale_tril.diagonal(dim1=-2, dim2=-1)))
+        else:
+            getattr(self.scale_trils, level).copy_(raw_from_scale_tril(scale_tril))
+        if weight is not None:
+            anc_mean = _concat_broadcast([getattr(self.locs, a) for a in lvl.ancestors])
+            loc = loc + (weight @ anc_mean.unsqueeze(-1)).squeeze(-1)
+            anc_scale = _concat_broadcast([self._row_scale(self._levels[a]) for a in lvl.ancestors])
+            row_scale = self._row_scale(lvl)
+            getattr(self.weights, level).copy_(weight * anc_scale.unsqueeze(-2) / row_scale.unsqueeze(-1))
+        getattr(self.locs, level).copy_(loc)
+
     # ---- sampling -----------------------------------------------------------------------------------------------
     def _level_distribution(self, level: PlateLevel, values: dict[str, torch.Tensor]) -> dist.TorchDistribution:
         loc, weight, scale = self._level_params(level)
         if weight is not None:
-            # centred at the ancestors' means: loc is then the level's marginal mean, and loc and weight do not trade
-            # off along a flat valley (loc - Δ·E[u_anc], weight + Δ) that slows SGD down badly
-            u_anc = _concat_broadcast([values[a] - getattr(self.locs, a) for a in level.ancestors])
-            loc = loc + (weight @ u_anc.unsqueeze(-1)).squeeze(-1)
+            loc = loc + (weight @ self._standardized_ancestors(level, values).unsqueeze(-1)).squeeze(-1)
         if self._is_diagonal(level):
             return dist.Normal(loc, scale).to_event(1)
         return dist.MultivariateNormal(loc, scale_tril=scale)

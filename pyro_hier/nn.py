@@ -1,0 +1,89 @@
+"""Small networks shared by the amortized guides: MLPs with the initialisation of Agrawal & Domke (2021, App. A)
+and permutation-invariant pooling over the observations of each group, for padded or ragged groups."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["MLP", "pool_with_square", "segment_pool"]
+
+
+class MLP(nn.Sequential):
+    """Leaky-ReLU multilayer perceptron ``in → hidden[0] → … → hidden[-1] → out``.
+
+    Weights start from a normal truncated at two standard deviations with std ``sqrt(1 / fan_in)``, biases at zero;
+    the last layer's weights use std ``last_layer_std`` (the paper's 0.001 makes the outputs start near zero, so an
+    amortized ``q(z_i | θ)`` starts near its initial value whatever the data).
+
+    Example::
+
+        net = MLP(3, [64, 64], 10, last_layer_std=1e-3)
+        net(torch.randn(5, 3)).shape  # (5, 10)
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        hidden: Sequence[int],
+        out_features: int,
+        *,
+        negative_slope: float = 0.01,
+        last_layer_std: float | None = None,
+    ) -> None:
+        if in_features < 1 or out_features < 1 or any(h < 1 for h in hidden):
+            raise ValueError(f"layer sizes must be positive, got {in_features}, {list(hidden)}, {out_features}")
+        sizes = [in_features, *hidden, out_features]
+        layers: list[nn.Module] = []
+        for i, (a, b) in enumerate(itertools.pairwise(sizes)):
+            linear = nn.Linear(a, b)
+            last = i == len(sizes) - 2
+            std = last_layer_std if (last and last_layer_std is not None) else math.sqrt(1.0 / a)
+            with torch.no_grad():
+                nn.init.trunc_normal_(linear.weight, std=std, a=-2 * std, b=2 * std)
+                linear.bias.zero_()
+            layers.append(linear)
+            if not last:
+                layers.append(nn.LeakyReLU(negative_slope))
+        super().__init__(*layers)
+        self.in_features, self.out_features = in_features, out_features
+
+
+def segment_pool(values: torch.Tensor, segments: torch.Tensor, num_segments: int, how: str = "mean") -> torch.Tensor:
+    """Pool rows of ``values`` (M, F) into ``num_segments`` rows by ``segments`` (M,) — ragged groups, no padding.
+
+    ``how`` is ``"mean"``, ``"sum"`` or ``"max"``. An empty segment pools to zeros.
+    """
+    if values.dim() != 2 or segments.dim() != 1 or segments.shape[0] != values.shape[0]:
+        raise ValueError(
+            f"expected values (M, F) and segments (M,), got {tuple(values.shape)}, {tuple(segments.shape)}"
+        )
+    out = values.new_zeros(num_segments, values.shape[1])
+    index = segments.unsqueeze(-1).expand_as(values)
+    if how == "max":
+        out = out.fill_(-math.inf).scatter_reduce(0, index, values, reduce="amax", include_self=True)
+        return torch.where(torch.isinf(out), torch.zeros_like(out), out)
+    out = out.index_add(0, segments, values)
+    if how == "sum":
+        return out
+    if how == "mean":
+        counts = torch.bincount(segments, minlength=num_segments).clamp(min=1).to(values.dtype)
+        return out / counts.unsqueeze(-1)
+    raise ValueError(f"how must be 'mean', 'sum' or 'max', got {how!r}")
+
+
+def pool_with_square(features: torch.Tensor, dim: int = -2, how: str = "mean") -> torch.Tensor:
+    """Pool ``[e, e²]`` over ``dim`` (padded groups): the paper's concatenation of the embedding and its
+    elementwise square before pooling."""
+    both = torch.cat([features, features * features], dim=-1)
+    if how == "mean":
+        return both.mean(dim)
+    if how == "sum":
+        return both.sum(dim)
+    if how == "max":
+        return both.amax(dim)
+    raise ValueError(f"how must be 'mean', 'sum' or 'max', got {how!r}")

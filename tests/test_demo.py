@@ -1,0 +1,27 @@
+import subprocess
+import sys
+
+from pyro_hier.demo import DEMO_GUIDES
+
+
+def test_demo_command_prints_the_table_and_writes_the_plot(tmp_path):
+    out = tmp_path / "demo.png"
+    result = subprocess.run(
+        [sys.executable, "-m", "pyro_hier", "demo", "--quick", "--steps", "20", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("problem"))
+    for column in ("guide", "ELBO", "gap", "seconds", "params"):
+        assert column in lines[header]
+    rows = [line for line in lines[header + 2 :] if line.startswith(("regression", "radon"))]
+    assert len(rows) == 2 * len(DEMO_GUIDES)
+    for name in DEMO_GUIDES:
+        assert sum(name in row for row in rows) >= 2
+    # columns from the right: params, seconds, sd ratio, mean err, gap; regression has an exact gap, radon a dash
+    assert all(row.split()[-5] != "—" for row in rows if row.startswith("regression"))
+    assert out.exists() and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert all(row.split()[-5] == "—" for row in rows if row.startswith("radon"))
