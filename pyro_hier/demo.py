@@ -60,18 +60,21 @@ def fit_guide(
     make_guide: Callable,
     *,
     steps: int,
-    lr: float = 0.02,
-    num_particles: int = 1,
+    lr: float = 0.05,
+    final_lr_ratio: float = 0.02,
+    num_particles: int = 4,
     seed: int = 0,
     progress: Callable | None = None,
 ) -> tuple[torch.nn.Module, list[float], float]:
-    """Fit ``make_guide(problem.model)`` with Adam and ``Trace_ELBO``; return the guide, the per-step losses and
-    the seconds spent. ``progress``, if given, is called after each step with ``(step, loss)``."""
+    """Fit ``make_guide(problem.model)`` with Adam (learning rate ``lr`` decaying geometrically to
+    ``lr * final_lr_ratio``) and ``Trace_ELBO`` with ``num_particles`` vectorised particles; return the guide, the
+    per-step losses and the seconds spent. ``progress``, if given, is called after each step with ``(step, loss)``."""
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
     guide = make_guide(problem.model)
     elbo = Trace_ELBO(num_particles=num_particles, vectorize_particles=num_particles > 1)
-    svi = SVI(problem.model, guide, pyro.optim.ClippedAdam({"lr": lr, "lrd": 0.1 ** (1 / steps)}), elbo)
+    optim = pyro.optim.ClippedAdam({"lr": lr, "lrd": final_lr_ratio ** (1 / steps)})
+    svi = SVI(problem.model, guide, optim, elbo)
     losses = []
     start = time.perf_counter()
     for step in range(steps):
@@ -161,7 +164,7 @@ def demo_problems(quick: bool = False) -> dict[str, Problem]:
 
 
 def run_demo(
-    *, steps: int = 3000, out: str = "pyro_hier_demo.png", quick: bool = False, guides: dict | None = None
+    *, steps: int = 1500, out: str = "pyro_hier_demo.png", quick: bool = False, guides: dict | None = None
 ) -> list[FitResult]:
     """Fit every guide in ``guides`` (default :data:`DEMO_GUIDES`) to every demo problem; print the table, write
     the plot to ``out`` and return the results."""

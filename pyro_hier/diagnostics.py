@@ -69,7 +69,7 @@ def _per_particle(trace: poutine.Trace, size: int, max_plate_nesting: int) -> to
     for site in trace.nodes.values():
         if site["type"] != "sample" or "log_prob" not in site:
             continue
-        lp = (site["log_prob"] * site["scale"]).detach().to(device="cpu", dtype=torch.float64)
+        lp = site["log_prob"].detach().to(device="cpu", dtype=torch.float64)  # already scaled by Pyro
         if lp.dim() > max_plate_nesting:
             lp = lp.movedim(-max_plate_nesting - 1, 0)
             total = total + lp.reshape(lp.shape[0], -1).sum(-1)

@@ -1,5 +1,10 @@
 import pyro
 import pytest
+import torch
+
+# The test models are small: one intra-op thread is as fast as two, and it keeps tiny ops from slowing down by
+# orders of magnitude when the machine is shared (oversubscribed thread pools spin).
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

@@ -261,7 +261,9 @@ class AutoBranchGuide(HierarchicalGuide):
         self._require_setup(*args, **kwargs)
         moments = self.level_moments()
         return {
-            name: self._constrain(name, self._site_unconstrained(level, name, moments[level.name][0], broadcast=False))
+            name: self._constrain(
+                name, self._site_unconstrained(level, name, moments[level.name][0], broadcast=False)
+            ).clone()  # a plain tensor, not a view of a parameter
             for level in self.levels
             for name in level.sites
         }
