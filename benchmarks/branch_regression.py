@@ -378,17 +378,17 @@ def _f(x: float, spec: str) -> str:
 
 def format_table(runs: list[GuideRun]) -> str:
     head = (
-        f"{'N':>7} {'B':>4} {'guide':<16} {'lr':>6} {'steps':>6} {'ELBO':>14} {'±se':>6} {'gap/group':>9} "
+        f"{'N':>7} {'B':>4} {'guide':<16} {'lr':>6} {'steps':>6} {'ELBO':>14} {'±se':>9} {'gap/group':>9} "
         f"{'±se':>6} {'ms/step':>8} {'ms/step':>8} {'rel AN':>6} {'rel AN':>6} {'params':>9} {'RSS GB':>6}"
     )
-    sub = f"{'':>7} {'':>4} {'':<16} {'':>6} {'':>6} {'':>14} {'':>6} {'':>9} {'':>6} {'train':>8} " + (
+    sub = f"{'':>7} {'':>4} {'':<16} {'':>6} {'':>6} {'':>14} {'':>9} {'':>9} {'':>6} {'train':>8} " + (
         f"{'interl.':>8} {'train':>6} {'interl':>6} {'':>9} {'':>6}"
     )
     lines = [head, sub, "-" * len(head)]
     for r in runs:
         lines.append(
             f"{r.N:>7} {r.batch_size:>4} {guide_label(r.guide):<16} {r.lr:>6g} {r.steps:>6} {r.elbo:>14.2f} "
-            f"{r.elbo_se:>6.2f} {r.gap_per_group:>9.4f} {r.gap_per_group_se:>6.4f} {r.mean_step_ms:>8.1f} "
+            f"{r.elbo_se:>9.2f} {r.gap_per_group:>9.4f} {r.gap_per_group_se:>6.4f} {r.mean_step_ms:>8.1f} "
             f"{_f(r.interleaved_median_ms, '8.1f'):>8} {_f(r.rel_autonormal_training, '6.2f'):>6} "
             f"{_f(r.rel_autonormal_interleaved, '6.2f'):>6} {r.num_params:>9} "
             f"{max(r.train_peak_rss_gb, r.eval_peak_rss_gb):>6.2f}"
@@ -397,7 +397,9 @@ def format_table(runs: list[GuideRun]) -> str:
         "gap/group = (exact log p(y) − ELBO) / N, full-data ELBO in float64 (±se: Monte Carlo standard error).",
         "ms/step train = mean over training steps 2.. (step time only); interl. = median step time with the guides",
         "interleaved round-robin on the same batches; rel AN = step time / AutoNormal's on the same batches (train: "
-        "ratio of sums over the batches all guides trained on; interl: median of per-batch ratios).",
+        "ratio of sums over the batches all guides trained on, measured at different times, so it moves with the "
+        "machine's load;",
+        "interl: median of per-batch ratios, the fairer number on a shared machine).",
         "RSS GB = peak resident memory of the process while the guide trained or was evaluated (includes the data).",
     ]
     return "\n".join(lines)

@@ -12,10 +12,20 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("--steps", type=int, default=1500, help="optimisation steps per guide (default 1500)")
     demo.add_argument("--out", default="pyro_hier_demo.png", help="where to write the ELBO-trace plot")
     demo.add_argument("--quick", action="store_true", help="a small problem and few steps, for smoke tests")
+    demo.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: the demo's models are small, and one thread "
+        "is as fast and does not slow down when other programs share the cores)",
+    )
     args = parser.parse_args(argv)
     if args.command == "demo":
+        import torch
+
         from pyro_hier.demo import run_demo
 
+        torch.set_num_threads(args.threads)
         run_demo(steps=args.steps, out=args.out, quick=args.quick)
 
 

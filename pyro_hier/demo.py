@@ -156,9 +156,9 @@ def demo_problems(quick: bool = False) -> dict[str, Problem]:
     """The demo's problems by table label: the synthetic regression (exact) and Minnesota radon (reference)."""
     from pyro_hier.problems import radon_mn, synthetic_regression
 
-    num_groups = 20 if quick else 100
+    num_groups = 20 if quick else 50
     return {
-        f"regression N={num_groups}": synthetic_regression(num_groups=num_groups, dtype=torch.float32),
+        f"regression N={num_groups}": synthetic_regression(num_groups=num_groups, dtype=torch.float64),
         "radon (Minnesota)": radon_mn(prior="uniform", dtype=torch.float32),
     }
 

@@ -44,6 +44,8 @@ class AutoBranchGuide(HierarchicalGuide):
     - ``"diagonal"``: :math:`A = 0`, diagonal :math:`L` for every level, globals included (mean field).
 
     Diagonals of Cholesky factors use the proximal map :math:`x \mapsto \tfrac12(x + \sqrt{x^2 + 4})` (App. A).
+    Under Adam a step then changes a small sd ``s`` by about ``lr·s²`` (softplus: ``lr·s``), so posterior sds far
+    below ``init_scale`` take many steps to reach: choose ``init_scale`` near the expected posterior sd.
     Values are mapped to each site's support with ``biject_to`` and the log-Jacobian enters the density, as in
     ``AutoNormal``.
 
