@@ -15,13 +15,12 @@ from pyro import poutine
 from pyro.infer import Predictive
 
 from pyro_hier.problems.base import Moments
+from pyro_hier.structure import inspect_model
 
 __all__ = ["MomentError", "count_parameters", "elbo_estimate", "moment_error", "posterior_moments"]
 
 
 def _max_plate_nesting(model: Callable, args: tuple, kwargs: dict) -> int:
-    from pyro_hier.structure import inspect_model
-
     return inspect_model(model, args, kwargs, num_calls=1).max_plate_nesting
 
 

@@ -11,7 +11,7 @@ import pyro.distributions as dist
 import torch
 from pyro.infer.autoguide.initialization import init_to_feasible
 from pyro.nn import PyroModule, PyroParam
-from torch.distributions import biject_to, constraints
+from torch.distributions import constraints
 
 from pyro_hier.guides.base import HierarchicalGuide
 from pyro_hier.plates import enter_plates
@@ -116,7 +116,13 @@ class AutoBranchGuide(HierarchicalGuide):
                 setattr(self.weights, level.name, PyroParam(weight, constraints.real, event_dim=2))
 
     def _is_diagonal(self, level: PlateLevel) -> bool:
-        return self.covariance == "diagonal"
+        return self.covariance == "diagonal"  # every level, globals included
+
+    def _ancestor_locs(self, level: PlateLevel) -> torch.Tensor:
+        return _concat_broadcast([getattr(self.locs, a) for a in level.ancestors])
+
+    def _ancestor_scales(self, level: PlateLevel) -> torch.Tensor:
+        return _concat_broadcast([self._row_scale(self._levels[a]) for a in level.ancestors])
 
     def _is_conditional(self, level: PlateLevel) -> bool:
         return self.covariance == "dense" and bool(level.ancestors)
@@ -150,16 +156,8 @@ class AutoBranchGuide(HierarchicalGuide):
         return loc, weight, scale
 
     def _standardized_ancestors(self, level: PlateLevel, values: dict[str, torch.Tensor]) -> torch.Tensor:
-        parts = []
-        for a in level.ancestors:
-            anc = self._levels[a]
-            parts.append((values[a] - getattr(self.locs, a)) / self._row_scale(anc))
-        return _concat_broadcast(parts)
-
-    def _effective_weight(self, level: PlateLevel, weight: torch.Tensor) -> torch.Tensor:
-        """``A`` of the paper's ``μ + A u_anc``: the internal weight divided by the ancestors' scales."""
-        anc_scale = _concat_broadcast([self._row_scale(self._levels[a]) for a in level.ancestors])
-        return weight / anc_scale.unsqueeze(-2)
+        u_anc = _concat_broadcast([values[a] for a in level.ancestors])
+        return (u_anc - self._ancestor_locs(level)) / self._ancestor_scales(level)
 
     def conditional(self, level: str) -> dict[str, torch.Tensor | None]:
         """The parameters of ``q(u_{level,i} | u_anc) = N(loc + weight @ u_anc, scale_tril scale_trilᵀ)`` at full
@@ -169,9 +167,8 @@ class AutoBranchGuide(HierarchicalGuide):
         lvl = self._levels[level]
         loc, weight, scale = self._level_params(lvl)
         if weight is not None:
-            weight = self._effective_weight(lvl, weight)
-            anc_mean = _concat_broadcast([getattr(self.locs, a) for a in lvl.ancestors])
-            loc = loc - (weight @ anc_mean.unsqueeze(-1)).squeeze(-1)
+            weight = weight / self._ancestor_scales(lvl).unsqueeze(-2)  # A of the paper's μ + A u_anc
+            loc = loc - (weight @ self._ancestor_locs(lvl).unsqueeze(-1)).squeeze(-1)
         scale_tril = torch.diag_embed(scale) if self._is_diagonal(lvl) else scale
         return {"loc": loc, "weight": weight, "scale_tril": scale_tril}
 
@@ -190,11 +187,9 @@ class AutoBranchGuide(HierarchicalGuide):
         else:
             getattr(self.scale_trils, level).copy_(raw_from_scale_tril(scale_tril))
         if weight is not None:
-            anc_mean = _concat_broadcast([getattr(self.locs, a) for a in lvl.ancestors])
-            loc = loc + (weight @ anc_mean.unsqueeze(-1)).squeeze(-1)
-            anc_scale = _concat_broadcast([self._row_scale(self._levels[a]) for a in lvl.ancestors])
-            row_scale = self._row_scale(lvl)
-            getattr(self.weights, level).copy_(weight * anc_scale.unsqueeze(-2) / row_scale.unsqueeze(-1))
+            loc = loc + (weight @ self._ancestor_locs(lvl).unsqueeze(-1)).squeeze(-1)
+            relative = weight * self._ancestor_scales(lvl).unsqueeze(-2) / self._row_scale(lvl).unsqueeze(-1)
+            getattr(self.weights, level).copy_(relative)
         getattr(self.locs, level).copy_(loc)
 
     # ---- sampling -----------------------------------------------------------------------------------------------
@@ -287,8 +282,7 @@ class AutoBranchGuide(HierarchicalGuide):
             sd = cov.diagonal(dim1=-2, dim2=-1).sqrt()
             u = dist.Normal(mean, sd).icdf(q.reshape((-1,) + (1,) * mean.dim()))
             for name in level.sites:
-                site_u = self._site_unconstrained(level, name, u, broadcast=False)
-                result[name] = biject_to(self.structure.latent[name].support)(site_u)
+                result[name] = self._constrain(name, self._site_unconstrained(level, name, u, broadcast=False))
         return result
 
 
