@@ -300,7 +300,9 @@ def interleaved_timing(
         t = torch.tensor(times[run.guide], dtype=torch.float64)
         run.interleaved_median_ms = 1e3 * float(t.median())
         if "AutoNormal" in times:
-            run.rel_autonormal_interleaved = float((t / torch.tensor(times["AutoNormal"])).median())
+            run.rel_autonormal_interleaved = float(
+                (t / torch.tensor(times["AutoNormal"], dtype=torch.float64)).median()
+            )
 
 
 # ---- one problem size ---------------------------------------------------------------------------------------------
