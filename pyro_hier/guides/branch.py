@@ -147,12 +147,13 @@ class AutoBranchGuide(HierarchicalGuide):
         :func:`~pyro_hier.transforms.scale_tril_from_raw`). :meth:`conditional` gives the paper's form."""
         loc = getattr(self.locs, level.name)
         if self._is_diagonal(level):
-            scale = prox_positive(getattr(self.scales, level.name))
+            scale = row_scale = prox_positive(getattr(self.scales, level.name))
         else:
             scale = scale_tril_from_raw(getattr(self.scale_trils, level.name))
+            row_scale = scale.diagonal(dim1=-2, dim2=-1)  # equals _row_scale(level), already computed
         weight = None
         if self._is_conditional(level):
-            weight = self._row_scale(level).unsqueeze(-1) * getattr(self.weights, level.name)
+            weight = row_scale.unsqueeze(-1) * getattr(self.weights, level.name)
         return loc, weight, scale
 
     def _standardized_ancestors(self, level: PlateLevel, values: dict[str, torch.Tensor]) -> torch.Tensor:
