@@ -51,14 +51,18 @@ import torch
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 
-from pyro_hier import AutoBranchGuide
+from pyro_hier import AutoAmortizedBranchGuide, AutoBranchGuide
 from pyro_hier.diagnostics import count_parameters, elbo_estimate
 from pyro_hier.problems import synthetic_regression
 
 #: default (wall-clock seconds per guide, minibatch size) per problem size, from the issue's acceptance text
 DEFAULTS = {1000: (120.0, 100), 100_000: (300.0, 400)}
 QUICK_SIZES, QUICK_SECONDS = (200, 2000), 3.0
-GUIDE_NAMES = ("AutoNormal", "dense", "block", "diagonal")
+#: "X": AutoBranchGuide(covariance=X) with its defaults; "X-stl": the same with stick_the_landing=True;
+#: "amortized[-stl]": AutoAmortizedBranchGuide(covariance="dense") with the paper's network sizes
+BRANCH_GUIDES = ("dense", "block", "diagonal", "dense-stl", "block-stl", "diagonal-stl")
+GUIDE_NAMES = ("AutoNormal", *BRANCH_GUIDES, "amortized", "amortized-stl")
+DEFAULT_GUIDES = ("AutoNormal", *BRANCH_GUIDES)
 #: published reference numbers (issue text) and targets
 REFERENCE_AUTONORMAL_GAP = {1000: 1.24, 100_000: 7.29}
 TARGET_DENSE_GAP_N1000 = 0.05
@@ -73,11 +77,20 @@ def regression_plates(x: torch.Tensor, y: torch.Tensor, subsample: torch.Tensor 
 def make_guide(name: str, model: Callable) -> torch.nn.Module:
     if name == "AutoNormal":
         return AutoNormal(model, create_plates=regression_plates)
-    return AutoBranchGuide(model, covariance=name)
+    kind, _, suffix = name.partition("-")
+    if kind == "amortized":
+        return AutoAmortizedBranchGuide(model, local_features=regression_covariates, stick_the_landing=suffix == "stl")
+    return AutoBranchGuide(model, covariance=kind, stick_the_landing=suffix == "stl")
+
+
+def regression_covariates(x: torch.Tensor, y: torch.Tensor, subsample: torch.Tensor | None = None) -> torch.Tensor:
+    """``local_features`` for the amortized guide: each observation's covariates ``x_ij`` (full size; the guide
+    selects the minibatch's groups)."""
+    return x
 
 
 def guide_label(name: str) -> str:
-    return name if name == "AutoNormal" else f"branch {name}"
+    return name if name == "AutoNormal" or name.startswith("amortized") else f"branch {name}"
 
 
 # ---- shared minibatch sequence ----------------------------------------------------------------------------------
@@ -217,7 +230,7 @@ def train(
             losses.append(loss)
             k += 1
             if elapsed >= next_report:
-                log(f"    {guide_label(run.guide):<16} step {k:>6}  {elapsed:6.1f}s  loss/N {loss / run.N:9.3f}")
+                log(f"    {guide_label(run.guide):<21} step {k:>6}  {elapsed:6.1f}s  loss/N {loss / run.N:9.3f}")
                 next_report += max(run.seconds_budget / 6, 1.0)
     run.steps = k
     run.train_seconds = elapsed
@@ -380,16 +393,16 @@ def _f(x: float, spec: str) -> str:
 
 def format_table(runs: list[GuideRun]) -> str:
     head = (
-        f"{'N':>7} {'B':>4} {'guide':<16} {'lr':>6} {'steps':>6} {'ELBO':>14} {'±se':>9} {'gap/group':>9} "
+        f"{'N':>7} {'B':>4} {'guide':<21} {'lr':>6} {'steps':>6} {'ELBO':>14} {'±se':>9} {'gap/group':>9} "
         f"{'±se':>6} {'ms/step':>8} {'ms/step':>8} {'rel AN':>6} {'rel AN':>6} {'params':>9} {'RSS GB':>6}"
     )
-    sub = f"{'':>7} {'':>4} {'':<16} {'':>6} {'':>6} {'':>14} {'':>9} {'':>9} {'':>6} {'train':>8} " + (
+    sub = f"{'':>7} {'':>4} {'':<21} {'':>6} {'':>6} {'':>14} {'':>9} {'':>9} {'':>6} {'train':>8} " + (
         f"{'interl.':>8} {'train':>6} {'interl':>6} {'':>9} {'':>6}"
     )
     lines = [head, sub, "-" * len(head)]
     for r in runs:
         lines.append(
-            f"{r.N:>7} {r.batch_size:>4} {guide_label(r.guide):<16} {r.lr:>6g} {r.steps:>6} {r.elbo:>14.2f} "
+            f"{r.N:>7} {r.batch_size:>4} {guide_label(r.guide):<21} {r.lr:>6g} {r.steps:>6} {r.elbo:>14.2f} "
             f"{r.elbo_se:>9.2f} {r.gap_per_group:>9.4f} {r.gap_per_group_se:>6.4f} {r.mean_step_ms:>8.1f} "
             f"{_f(r.interleaved_median_ms, '8.1f'):>8} {_f(r.rel_autonormal_training, '6.2f'):>6} "
             f"{_f(r.rel_autonormal_interleaved, '6.2f'):>6} {r.num_params:>9} "
@@ -414,10 +427,10 @@ def targets(runs: list[GuideRun]) -> str:
             if r.N == N and r.guide == "AutoNormal":
                 lines.append(f"AutoNormal N={N}: gap/group {r.gap_per_group:.3f} (reference in the issue: {ref})")
     for r in runs:
-        if r.N == 1000 and r.guide == "dense":
+        if r.N == 1000 and r.guide in ("dense", "dense-stl"):
             ok = r.gap_per_group <= TARGET_DENSE_GAP_N1000
             lines.append(
-                f"target dense N=1000 gap/group <= {TARGET_DENSE_GAP_N1000}: {r.gap_per_group:.4f} "
+                f"target {r.guide} N=1000 gap/group <= {TARGET_DENSE_GAP_N1000}: {r.gap_per_group:.4f} "
                 f"{'met' if ok else 'NOT met'}"
             )
         if r.guide == "diagonal" and not math.isnan(r.rel_autonormal_interleaved):
@@ -482,7 +495,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "otherwise 100 if N <= 10000 else 400)",
     )
     p.add_argument("--quick", action="store_true", help=f"smoke run: N={QUICK_SIZES}, {QUICK_SECONDS:g}s per guide")
-    p.add_argument("--guides", nargs="+", choices=GUIDE_NAMES, default=list(GUIDE_NAMES))
+    p.add_argument(
+        "--guides",
+        nargs="+",
+        choices=GUIDE_NAMES,
+        default=list(DEFAULT_GUIDES),
+        help="guides to run; X-stl = AutoBranchGuide(covariance=X, stick_the_landing=True)",
+    )
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     p.add_argument("--seed", type=int, default=0, help="data, minibatch sequence and Pyro RNG seed")
     p.add_argument("--lr", type=float, default=0.01, help="initial ClippedAdam learning rate (default 0.01)")

@@ -5,14 +5,17 @@ ELBO or estimator. Test problems with exact answers live in :mod:`pyro_hier.prob
 """
 
 from pyro_hier.errors import StructureError
-from pyro_hier.guides import AutoBranchGuide
+from pyro_hier.guides import AutoAmortizedBranchGuide, AutoBranchGuide
+from pyro_hier.local_data import GroupedData
 from pyro_hier.plates import PlateCall, capture_plates
 from pyro_hier.structure import LatentSite, ModelStructure, ObservedSite, PlateInfo, inspect_model
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AutoAmortizedBranchGuide",
     "AutoBranchGuide",
+    "GroupedData",
     "LatentSite",
     "ModelStructure",
     "ObservedSite",

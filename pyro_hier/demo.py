@@ -20,19 +20,24 @@ from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoMultivariateNormal, AutoNormal
 
 from pyro_hier.diagnostics import count_parameters, elbo_estimate, moment_error, posterior_moments
-from pyro_hier.guides import AutoBranchGuide
+from pyro_hier.guides import AutoAmortizedBranchGuide, AutoBranchGuide
 from pyro_hier.problems import Problem
 
-__all__ = ["DEMO_GUIDES", "FitResult", "fit_guide", "run_demo"]
+__all__ = ["DEMO_GUIDES", "DEMO_NETWORK_LR", "FitResult", "fit_guide", "run_demo"]
 
-#: Guides the demo compares: name → ``factory(model) -> guide``. Each pyro-hier guide adds itself here.
+#: Guides the demo compares: name → ``factory(problem) -> guide``. Each pyro-hier guide adds itself here.
 DEMO_GUIDES: dict[str, Callable] = {
-    "AutoNormal": lambda model: AutoNormal(model),
-    "AutoMultivariateNormal": lambda model: AutoMultivariateNormal(model),
-    "AutoBranchGuide dense": lambda model: AutoBranchGuide(model, covariance="dense"),
-    "AutoBranchGuide block": lambda model: AutoBranchGuide(model, covariance="block"),
-    "AutoBranchGuide diagonal": lambda model: AutoBranchGuide(model, covariance="diagonal"),
+    "AutoNormal": lambda p: AutoNormal(p.model),
+    "AutoMultivariateNormal": lambda p: AutoMultivariateNormal(p.model),
+    "AutoBranchGuide dense": lambda p: AutoBranchGuide(p.model, covariance="dense"),
+    "AutoBranchGuide block": lambda p: AutoBranchGuide(p.model, covariance="block"),
+    "AutoBranchGuide diagonal": lambda p: AutoBranchGuide(p.model, covariance="diagonal"),
+    "AutoAmortizedBranchGuide": lambda p: AutoAmortizedBranchGuide(
+        p.model, local_features=p.local_features, local_data=p.local_data
+    ),
 }
+#: initial learning rate of the networks of amortized guides (free parameters keep ``fit_guide``'s rate)
+DEMO_NETWORK_LR: dict[str, float] = {"AutoAmortizedBranchGuide": 1e-3}
 
 
 @dataclass
@@ -64,16 +69,23 @@ def fit_guide(
     final_lr_ratio: float = 0.02,
     num_particles: int = 4,
     seed: int = 0,
+    network_lr: float | None = None,
     progress: Callable | None = None,
 ) -> tuple[torch.nn.Module, list[float], float]:
-    """Fit ``make_guide(problem.model)`` with Adam (learning rate ``lr`` decaying geometrically to
+    """Fit ``make_guide(problem)`` with Adam (learning rate ``lr`` decaying geometrically to
     ``lr * final_lr_ratio``) and ``Trace_ELBO`` with ``num_particles`` vectorised particles; return the guide, the
-    per-step losses and the seconds spent. ``progress``, if given, is called after each step with ``(step, loss)``."""
+    per-step losses and the seconds spent. ``network_lr`` (amortized guides) is the networks' initial rate.
+    ``progress``, if given, is called after each step with ``(step, loss)``."""
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
-    guide = make_guide(problem.model)
+    guide = make_guide(problem)
     elbo = Trace_ELBO(num_particles=num_particles, vectorize_particles=num_particles > 1)
-    optim = pyro.optim.ClippedAdam({"lr": lr, "lrd": final_lr_ratio ** (1 / steps)})
+    lrd = final_lr_ratio ** (1 / steps)
+    if network_lr is None:
+        optim = pyro.optim.ClippedAdam({"lr": lr, "lrd": lrd})
+    else:  # networks of an amortized guide: their own rate (needs the guide built first)
+        guide(*problem.args, **problem.kwargs)
+        optim = pyro.optim.ClippedAdam(guide.optim_args(lr=lr, network_lr=network_lr, lrd=lrd))
     svi = SVI(problem.model, guide, optim, elbo)
     losses = []
     start = time.perf_counter()
@@ -181,7 +193,9 @@ def run_demo(
                     if step % 100 == 0:
                         bar.set_postfix(elbo=f"{-loss:.1f}")
 
-                guide, losses, seconds = fit_guide(problem, make_guide, steps=steps, progress=progress)
+                guide, losses, seconds = fit_guide(
+                    problem, make_guide, steps=steps, network_lr=DEMO_NETWORK_LR.get(name), progress=progress
+                )
             results.append(_evaluate(label, problem, name, guide, losses, seconds))
     print(format_table(results))
     plot_traces(results, out)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-__all__ = ["MLP", "pool_with_square", "segment_pool"]
+__all__ = ["MLP", "Standardize", "masked_pool", "pool_with_square", "segment_pool"]
 
 
 class MLP(nn.Sequential):
@@ -86,4 +86,54 @@ def pool_with_square(features: torch.Tensor, dim: int = -2, how: str = "mean") -
         return both.sum(dim)
     if how == "max":
         return both.amax(dim)
+    raise ValueError(f"how must be 'mean', 'sum' or 'max', got {how!r}")
+
+
+class Standardize(nn.Module):
+    """``x ↦ (x − mean) / scale`` with fixed statistics (buffers, so they move with ``.to()`` and enter the
+    ``state_dict``), computed once from the training data so that networks see inputs of order one.
+
+    Example::
+
+        norm = Standardize.from_data(features)           # features (M, F)
+        norm(features).mean(0)                           # ≈ 0
+    """
+
+    def __init__(self, mean: torch.Tensor, scale: torch.Tensor) -> None:
+        super().__init__()
+        if mean.shape != scale.shape or mean.dim() != 1:
+            raise ValueError(f"mean and scale must be vectors of one shape, got {mean.shape} and {scale.shape}")
+        self.register_buffer("mean", mean.clone())
+        self.register_buffer("scale", scale.clone())
+
+    @classmethod
+    def from_data(cls, features: torch.Tensor, weights: torch.Tensor | None = None) -> Standardize:
+        """Statistics of the rows of ``features`` (..., F), optionally weighted (e.g. by an observation mask); a
+        feature that does not vary gets scale 1."""
+        x = features.reshape(-1, features.shape[-1])
+        w = torch.ones(x.shape[0], dtype=x.dtype, device=x.device) if weights is None else weights.reshape(-1)
+        w = w.to(x.dtype) / w.sum().clamp(min=1)
+        mean = (w.unsqueeze(-1) * x).sum(0)
+        sd = (w.unsqueeze(-1) * (x - mean) ** 2).sum(0).sqrt()
+        return cls(mean, torch.where(sd > 1e-8 * (1 + mean.abs()), sd, torch.ones_like(sd)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - self.mean) / self.scale
+
+
+def masked_pool(features: torch.Tensor, mask: torch.Tensor | None, dim: int = -2, how: str = "mean") -> torch.Tensor:
+    """Pool ``[e, e²]`` over ``dim`` counting only the entries where ``mask`` (broadcastable to ``features`` without
+    its last dim) is true: padded groups give the same result as their ragged rows (:func:`segment_pool`)."""
+    if mask is None:
+        return pool_with_square(features, dim, how)
+    both = torch.cat([features, features * features], dim=-1)
+    m = mask.unsqueeze(-1).to(both.dtype)
+    if how == "max":
+        filled = both.masked_fill(m == 0, -math.inf).amax(dim)
+        return torch.where(torch.isinf(filled), torch.zeros_like(filled), filled)
+    total = (both * m).sum(dim)
+    if how == "sum":
+        return total
+    if how == "mean":
+        return total / m.sum(dim).clamp(min=1)
     raise ValueError(f"how must be 'mean', 'sum' or 'max', got {how!r}")

@@ -17,7 +17,7 @@ from pyro.ops.tensor_utils import periodic_repeat
 from torch.distributions import biject_to
 
 from pyro_hier.errors import StructureError
-from pyro_hier.plates import capture_plates, check_plate_sizes, open_plates
+from pyro_hier.plates import PlateCall, capture_plates, check_plate_sizes, open_plates
 from pyro_hier.structure import LatentSite, ModelStructure, PlateLevel, inspect_model
 
 __all__ = ["HierarchicalGuide"]
@@ -50,6 +50,28 @@ class HierarchicalGuide(AutoGuide):
         model = InitMessenger(_ContinuousInit(init_loc_fn))(model)
         super().__init__(model, create_plates=create_plates)
         self.structure: ModelStructure | None = None
+
+    # ---- the model, pickling -------------------------------------------------------------------------------------
+    @property
+    def model(self) -> Callable:
+        if self._model is None:
+            raise RuntimeError(
+                f"this {type(self).__name__} was unpickled without its model (Pyro's autoguides never pickle the "
+                "model); call guide.attach_model(model) before using it with data"
+            )
+        return self._model[0]
+
+    def attach_model(self, model: Callable) -> None:
+        """Give an unpickled guide its model back (wrapped in the guide's init strategy, as at construction)."""
+        self._model = (InitMessenger(_ContinuousInit(self.init_loc_fn))(model),)
+
+    def __getstate__(self) -> dict:
+        # Pyro's AutoGuide.__getstate__ drops the model (and master) from the *live* guide too; our guides still
+        # need the model after being pickled (they read its plates every call), so put them back here.
+        model, master = self._model, self.master
+        state = super().__getstate__()
+        self._model, self.master = model, master
+        return state
 
     # ---- prototype ----------------------------------------------------------------------------------------------
     def _setup_prototype(self, *args, **kwargs) -> None:
@@ -108,11 +130,16 @@ class HierarchicalGuide(AutoGuide):
                 plates[p.name] = p
         missing = [n for n in names if n not in plates]
         if missing:
-            calls = capture_plates(self.model, args, kwargs, names=missing)
+            calls = self._capture_plates(args, kwargs, missing)
             check_plate_sizes(calls, {n: self.structure.plates[n].size for n in missing}, type(self).__name__)
             plates.update(open_plates(calls, {n: self.structure.plates[n].dim for n in missing}))
         self.plates = plates
         return plates
+
+    def _capture_plates(self, args: tuple, kwargs: dict, names: list[str]) -> dict[str, PlateCall]:
+        """What the model does with the plates ``names`` on this call (a hook: guides that run the model anyway
+        reuse that run)."""
+        return capture_plates(self.model, args, kwargs, names=names)
 
     # ---- initial values -----------------------------------------------------------------------------------------
     def _init_unconstrained(self, site: LatentSite) -> torch.Tensor:

@@ -13,6 +13,7 @@ from pyro.infer.autoguide.initialization import init_to_feasible
 from pyro.nn import PyroModule, PyroParam
 from torch.distributions import constraints
 
+from pyro_hier.distributions import StickingTheLanding
 from pyro_hier.guides.base import HierarchicalGuide
 from pyro_hier.plates import enter_plates
 from pyro_hier.structure import ModelStructure, PlateLevel
@@ -69,6 +70,14 @@ class AutoBranchGuide(HierarchicalGuide):
     :param init_loc_fn: initial locations (as in ``AutoNormal``).
     :param init_scale: initial standard deviation of every unconstrained coordinate.
     :param create_plates: optional plates to use instead of the model's (as in ``AutoNormal``).
+    :param stick_the_landing: score the guide's samples with detached parameters
+        (:class:`~pyro_hier.distributions.StickingTheLanding`). The ELBO gradient stays unbiased and its variance
+        vanishes where q equals the posterior, so when the family can (nearly) match the posterior — ``"dense"``
+        contains the exact posterior of a linear-Gaussian model; many observations per group make local posteriors
+        close to Gaussian — minibatch training gets much closer to the optimum (benchmarks/README.md: dense at
+        N = 1,000, 0.29 → 0.01 nats/group). Far from such a match it adds noise: on eight schools it slowed
+        convergence (mu off by 1 posterior sd after 1,500 steps, against 0.07 without). Default ``False``:
+        Pyro's standard reparameterised gradient.
 
     Reference: A. Agrawal, J. Domke, *Amortized Variational Inference for Simple Hierarchical Models*, NeurIPS 2021.
     """
@@ -81,12 +90,16 @@ class AutoBranchGuide(HierarchicalGuide):
         init_loc_fn: Callable = init_to_feasible,
         init_scale: float = 0.1,
         create_plates: Callable | None = None,
+        stick_the_landing: bool = False,
     ) -> None:
         if covariance not in _COVARIANCES:
             raise ValueError(f"covariance must be one of {_COVARIANCES}, got {covariance!r}")
         if not (isinstance(init_scale, int | float) and init_scale > 0 and math.isfinite(init_scale)):
             raise ValueError(f"init_scale must be a positive number, got {init_scale!r}")
+        if not isinstance(stick_the_landing, bool):
+            raise ValueError(f"stick_the_landing must be True or False, got {stick_the_landing!r}")
         self.covariance = covariance
+        self.stick_the_landing = stick_the_landing
         self._init_scale = float(init_scale)
         super().__init__(model, init_loc_fn=init_loc_fn, create_plates=create_plates)
 
@@ -99,27 +112,30 @@ class AutoBranchGuide(HierarchicalGuide):
         self.scale_trils = PyroModule()
         self.scales = PyroModule()
         for level in self.levels:
-            init = self._init_level(level)
-            d = level.numel
-            setattr(self.locs, level.name, PyroParam(init, constraints.real, event_dim=1))
-            if self._is_diagonal(level):
-                raw = prox_positive_inv(torch.full_like(init, self._init_scale))
-                setattr(self.scales, level.name, PyroParam(raw, constraints.real, event_dim=1))
-            else:
-                eye = torch.eye(d, dtype=init.dtype, device=init.device)
-                raw = (self._init_scale - 1.0 / self._init_scale) * eye  # prox_positive_inv(init_scale) on the diagonal
-                raw = raw.expand((*level.batch_shape, d, d)).clone()
-                setattr(self.scale_trils, level.name, PyroParam(raw, constraints.real, event_dim=2))
-            if self._is_conditional(level):
-                d_anc = self._ancestor_numel(level)
-                weight = init.new_zeros((*level.batch_shape, d, d_anc))
-                setattr(self.weights, level.name, PyroParam(weight, constraints.real, event_dim=2))
+            self._setup_level(level, self._init_level(level))
+
+    def _setup_level(self, level: PlateLevel, init: torch.Tensor) -> None:
+        """Create the free parameters of one level from its initial element vectors ``init``."""
+        d = level.numel
+        setattr(self.locs, level.name, PyroParam(init, constraints.real, event_dim=1))
+        if self._is_diagonal(level):
+            raw = prox_positive_inv(torch.full_like(init, self._init_scale))
+            setattr(self.scales, level.name, PyroParam(raw, constraints.real, event_dim=1))
+        else:
+            eye = torch.eye(d, dtype=init.dtype, device=init.device)
+            raw = (self._init_scale - 1.0 / self._init_scale) * eye  # prox_positive_inv(init_scale) on the diagonal
+            raw = raw.expand((*level.batch_shape, d, d)).clone()
+            setattr(self.scale_trils, level.name, PyroParam(raw, constraints.real, event_dim=2))
+        if self._is_conditional(level):
+            d_anc = self._ancestor_numel(level)
+            weight = init.new_zeros((*level.batch_shape, d, d_anc))
+            setattr(self.weights, level.name, PyroParam(weight, constraints.real, event_dim=2))
 
     def _is_diagonal(self, level: PlateLevel) -> bool:
         return self.covariance == "diagonal"  # every level, globals included
 
     def _ancestor_locs(self, level: PlateLevel) -> torch.Tensor:
-        return _concat_broadcast([getattr(self.locs, a) for a in level.ancestors])
+        return _concat_broadcast([self._level_params(self._levels[a])[0] for a in level.ancestors])
 
     def _ancestor_scales(self, level: PlateLevel) -> torch.Tensor:
         return _concat_broadcast([self._row_scale(self._levels[a]) for a in level.ancestors])
@@ -132,9 +148,8 @@ class AutoBranchGuide(HierarchicalGuide):
 
     def _row_scale(self, level: PlateLevel) -> torch.Tensor:
         """The diagonal of the level's Cholesky factor (its sds for ``"diagonal"``), sliced under its plates."""
-        if self._is_diagonal(level):
-            return prox_positive(getattr(self.scales, level.name))
-        return prox_positive(getattr(self.scale_trils, level.name).diagonal(dim1=-2, dim2=-1))
+        scale = self._level_params(level)[2]
+        return scale if self._is_diagonal(level) else scale.diagonal(dim1=-2, dim2=-1)
 
     def _level_params(self, level: PlateLevel) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """``(loc, weight, scale)`` of a level in the guide's internal, well-conditioned form.
@@ -155,10 +170,6 @@ class AutoBranchGuide(HierarchicalGuide):
         if self._is_conditional(level):
             weight = row_scale.unsqueeze(-1) * getattr(self.weights, level.name)
         return loc, weight, scale
-
-    def _standardized_ancestors(self, level: PlateLevel, values: dict[str, torch.Tensor]) -> torch.Tensor:
-        u_anc = _concat_broadcast([values[a] for a in level.ancestors])
-        return (u_anc - self._ancestor_locs(level)) / self._ancestor_scales(level)
 
     def conditional(self, level: str) -> dict[str, torch.Tensor | None]:
         """The parameters of ``q(u_{level,i} | u_anc) = N(loc + weight @ u_anc, scale_tril scale_trilᵀ)`` at full
@@ -195,12 +206,23 @@ class AutoBranchGuide(HierarchicalGuide):
 
     # ---- sampling -----------------------------------------------------------------------------------------------
     def _level_distribution(self, level: PlateLevel, values: dict[str, torch.Tensor]) -> dist.TorchDistribution:
-        loc, weight, scale = self._level_params(level)
-        if weight is not None:
-            loc = loc + (weight @ self._standardized_ancestors(level, values).unsqueeze(-1)).squeeze(-1)
-        if self._is_diagonal(level):
-            return dist.Normal(loc, scale).to_event(1)
-        return dist.MultivariateNormal(loc, scale_tril=scale)
+        params = self._level_params(level)
+        u_anc = None
+        if params[1] is not None:
+            u_anc = _concat_broadcast([values[a] for a in level.ancestors])
+            params += (self._ancestor_locs(level), self._ancestor_scales(level))
+
+        def build(loc, weight=None, scale=None, anc_loc=None, anc_scale=None):
+            if weight is not None:
+                loc = loc + (weight @ ((u_anc - anc_loc) / anc_scale).unsqueeze(-1)).squeeze(-1)
+            if self._is_diagonal(level):
+                return dist.Normal(loc, scale).to_event(1)
+            return dist.MultivariateNormal(loc, scale_tril=scale)
+
+        q = build(*params)
+        if not self.stick_the_landing:
+            return q
+        return StickingTheLanding(q, build(*(None if t is None else t.detach() for t in params)))
 
     def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         """Sample every continuous latent site; returns ``{site: constrained value}``."""
@@ -223,9 +245,10 @@ class AutoBranchGuide(HierarchicalGuide):
 
     # ---- summaries ----------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def level_moments(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def level_moments(self, *args, **kwargs) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Mean and covariance of every level's element vectors under q, at full plate size, in unconstrained
-        space: ``{level: (mean (batch, d), cov (batch, d, d))}``.
+        space: ``{level: (mean (batch, d), cov (batch, d, d))}``. The model's arguments are needed only by guides
+        whose parameters depend on the data (:class:`~pyro_hier.AutoAmortizedBranchGuide`).
 
         Each level is an affine map of independent standard-normal noises of itself and its ancestors,
         :math:`u_\\ell = m_\\ell + \\sum_k B_{\\ell k}\\,\\varepsilon_k` with :math:`B_{\\ell\\ell} = L_\\ell` and
@@ -257,7 +280,7 @@ class AutoBranchGuide(HierarchicalGuide):
     def median(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         """Constrained values at the mean of q in unconstrained space (the posterior median there), full size."""
         self._require_setup(*args, **kwargs)
-        moments = self.level_moments()
+        moments = self.level_moments(*args, **kwargs)
         return {
             name: self._constrain(
                 name, self._site_unconstrained(level, name, moments[level.name][0], broadcast=False)
@@ -275,7 +298,7 @@ class AutoBranchGuide(HierarchicalGuide):
             guide.quantiles([0.05, 0.5, 0.95], x, y)["z"].shape  # (3, N, 1, D)
         """
         self._require_setup(*args, **kwargs)
-        moments = self.level_moments()
+        moments = self.level_moments(*args, **kwargs)
         result = {}
         for level in self.levels:
             mean, cov = moments[level.name]

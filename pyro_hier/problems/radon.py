@@ -37,6 +37,7 @@ import torch
 from pyro import poutine
 
 from pyro_hier.datasets import load_radon_mn, reference_moments
+from pyro_hier.local_data import GroupedData
 from pyro_hier.problems.base import Moments, Problem
 
 __all__ = ["RADON_SITE_SHAPES", "radon_mn"]
@@ -181,6 +182,14 @@ def radon_mn(
         args=args,
         kwargs={"log_radon": as_float("log_radon")},
         log_evidence=None,
+        # each county's homes as ragged rows (floor, log radon; log uranium is a county-level covariate)
+        local_data={
+            "counties": GroupedData(
+                torch.stack([as_float("floor"), as_float("log_radon"), as_float("log_uranium")], -1),
+                county,
+                num_groups=num_counties,
+            )
+        },
         moments=moments,
         reference=reference,
     )

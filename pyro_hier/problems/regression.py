@@ -12,7 +12,7 @@ import torch
 from .base import Moments, Problem
 from .linear_gaussian import LinearGaussianSystem
 
-__all__ = ["RegressionProblem", "regression_model", "synthetic_regression"]
+__all__ = ["RegressionProblem", "regression_covariates", "regression_model", "synthetic_regression"]
 
 _REFERENCE = (
     "Agrawal & Domke, Amortized Variational Inference for Simple Hierarchical Models, NeurIPS 2021, §7.1 and "
@@ -39,6 +39,12 @@ def regression_model(x: torch.Tensor, y: torch.Tensor, subsample: torch.Tensor |
         mean = (xb @ z.transpose(-1, -2)).squeeze(-1)  # (..., N, n, D) @ (..., N, D, 1)
         with pyro.plate("obs", n, dim=-1):
             pyro.sample("y", dist.Normal(mean, 1.0), obs=yb)
+
+
+def regression_covariates(x: torch.Tensor, y: torch.Tensor, subsample: torch.Tensor | None = None) -> torch.Tensor:
+    """Each observation's covariates ``x_ij`` (``(N, n, D)``, full size): the ``local_features`` an amortized guide
+    needs for :func:`regression_model` (the responses ``y_ij`` it finds in the model itself)."""
+    return x
 
 
 @dataclass
@@ -206,6 +212,7 @@ def synthetic_regression(
         name=f"synthetic_regression(N={N}, n={n}, D={D}, seed={seed})",
         model=regression_model,
         args=(x, y),
+        local_features=regression_covariates,
         kwargs={},
         log_evidence=float(ex["log_evidence"]),
         moments=moments,
