@@ -433,6 +433,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         with self._encoding(args, kwargs):
             return super().forward(*args, **kwargs)
 
+    @torch.no_grad()
     def level_moments(self, *args, **kwargs) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """As :meth:`AutoBranchGuide.level_moments` for the groups of the model's call on ``args``."""
         self._require_setup(*args, **kwargs)

@@ -273,7 +273,7 @@ class AutoBranchGuide(HierarchicalGuide):
                         load[k] = load[k] + w @ b if k in load else w @ b
             means[level.name], loadings[level.name] = mean, load
             cov = sum(b @ b.mT for b in load.values())
-            out[level.name] = (mean, cov.expand(mean.shape + mean.shape[-1:]))
+            out[level.name] = (mean.detach().clone(), cov.expand(mean.shape + mean.shape[-1:]))  # not a parameter view
         return out
 
     @torch.no_grad()
