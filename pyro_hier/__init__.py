@@ -6,6 +6,7 @@ ELBO or estimator. Test problems with exact answers live in :mod:`pyro_hier.prob
 
 from pyro_hier.errors import StructureError
 from pyro_hier.guides import AutoAmortizedBranchGuide, AutoBranchGuide
+from pyro_hier.infer import MPImportance, TensorTooLargeError
 from pyro_hier.local_data import GroupedData
 from pyro_hier.plates import PlateCall, capture_plates
 from pyro_hier.structure import LatentSite, ModelStructure, ObservedSite, PlateInfo, inspect_model
@@ -17,11 +18,13 @@ __all__ = [
     "AutoBranchGuide",
     "GroupedData",
     "LatentSite",
+    "MPImportance",
     "ModelStructure",
     "ObservedSite",
     "PlateCall",
     "PlateInfo",
     "StructureError",
+    "TensorTooLargeError",
     "__version__",
     "capture_plates",
     "inspect_model",

@@ -44,7 +44,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
     .. math::
 
         e_{ij} = f_{\mathrm{feat}}(x_{ij}, y_{ij}), \qquad
-        h_i = \mathrm{pool}_j\,[e_{ij},\ e_{ij}^2], \qquad
+        h_i = \big(\mathrm{pool}_j\,[e_{ij},\ e_{ij}^2],\ \log(1 + n_i)\big), \qquad
         (\mu_i, W_i, L_i) = f_{\mathrm{param}}(h_i),
 
     and :math:`q(u_i \mid u_{\mathrm{anc}}) = \mathcal N(\mu_i + \mathrm{diag}(s_i) W_i\,
@@ -54,7 +54,9 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
     count is the same for 10³ or 10⁶ groups. Networks: leaky-ReLU MLPs (paper Table 5 sizes by default), inputs
     standardised with statistics of the first call's data, truncated-normal init with std
     :math:`\sqrt{1/\mathrm{fan\_in}}`, last layer std 0.001 with its bias set so that every group starts at the
-    initial location and ``init_scale``.
+    initial location and ``init_scale``. The group size :math:`n_i` is an input beside the pooled features (an
+    addition to the paper): mean pooling alone cannot tell a group of 3 observations from one of 3,000 with the same
+    average, yet their posterior precisions differ a thousandfold.
 
     Each local level needs data, found in one of two ways:
 
@@ -216,7 +218,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             feats[str(k)] = nn.Sequential(Standardize.from_data(rows, weights).to(init.device), net)
             with torch.no_grad():
                 width = net(torch.zeros(1, rows.shape[-1], dtype=init.dtype, device=init.device)).shape[-1]
-            pooled_size += 2 * width
+            pooled_size += 2 * width + 1  # [e, e²] pooled, and log(1 + group size)
         d = level.numel
         out = d + self._raw_scale_size(level)
         if self._is_conditional(level):
@@ -241,8 +243,14 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             if len(self.amortized_levels) != 1:
                 raise StructureError("a param_net module can serve a single local level: pass layer sizes instead")
             spec = spec.to(dtype=init.dtype, device=init.device)
-            with torch.no_grad():
-                got = spec(torch.zeros(1, in_features, dtype=init.dtype, device=init.device)).shape[-1]
+            try:
+                with torch.no_grad():
+                    got = spec(torch.zeros(1, in_features, dtype=init.dtype, device=init.device)).shape[-1]
+            except RuntimeError as e:
+                raise StructureError(
+                    f"param_net must take {in_features} pooled features (2 × embedding size per data source, plus "
+                    f"one group-size feature each) and return {out_features}; calling it failed: {e}"
+                ) from e
             if got != out_features:
                 raise StructureError(
                     f"param_net maps {in_features} pooled features to {got} outputs; the level needs {out_features}"
@@ -373,19 +381,26 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
                 e = feat_net(rows.to(dtype=dtype, device=self._device()))
                 both = torch.cat([e, e * e], dim=-1)
                 pooled.append(segment_pool(both, segment.to(e.device), idx.shape[0], self.pool))
+                count = torch.bincount(segment, minlength=idx.shape[0]).to(device=e.device, dtype=dtype)
+                pooled.append(torch.log1p(count).unsqueeze(-1))
             else:
                 rows, mask = self._nested(level, source, args, kwargs, calls, observations, dtype)
                 # the model observed every element; the guide's plates may use a subsample of them
                 ordered = sorted(zip(level.dims, level.plates, strict=True))  # the layout of nested_features
-                for k, (_, p) in enumerate(ordered):
+                for axis, (_, p) in enumerate(ordered):
                     model_idx = calls[p].indices
                     if model_idx.shape != indices[p].shape or not torch.equal(
                         model_idx, indices[p].to(model_idx.device)
                     ):
                         pos = indices[p].to(rows.device)
-                        rows = rows.index_select(k, pos)
-                        mask = None if mask is None else mask.index_select(k, pos)
+                        rows = rows.index_select(axis, pos)
+                        mask = None if mask is None else mask.index_select(axis, pos)
                 pooled.append(masked_pool(feat_net(rows), mask, dim=-2, how=self.pool))
+                if mask is None:
+                    count = rows.new_full(rows.shape[:-2], rows.shape[-2])
+                else:
+                    count = mask.to(dtype).sum(-1).expand(rows.shape[:-2])
+                pooled.append(torch.log1p(count).unsqueeze(-1))
         out = nets["params"](torch.cat(pooled, dim=-1))
         shape = list(level.batch_shape)
         for p, dim in zip(level.plates, level.dims, strict=True):

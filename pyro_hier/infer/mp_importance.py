@@ -65,6 +65,13 @@ class MPImportance:
     give exact ancestral sampling of index combinations from :math:`P(\mathbf k) \propto \prod_f F_f(\mathbf k_f)`.
     Under subsampling these are the posterior of the scaled (``N/B``-tempered) target.
 
+    **Limits.** Every latent site (or group of sites sharing an auxiliary guide site) gets its own tensor dim, as in
+    ``TraceEnum_ELBO``, so a few dozen sites at most; ``pyro.markov`` dim recycling and subsampled sequential plates
+    are not supported. Cost and memory grow like ``K^2`` times the plate size for a site and its parent. The
+    per-element ESS of :meth:`get_ESS` describes the marginal weights only: for a site whose parents' weights are
+    themselves products of noisy per-element sums (three or more levels with a poor proposal), the error of
+    :meth:`moments` can be several times ``sd / sqrt(ESS)``.
+
     Example::
 
         mp = MPImportance(model, guide, num_samples=64).run(x, y)

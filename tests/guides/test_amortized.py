@@ -162,7 +162,9 @@ def test_bad_options():
         AutoAmortizedBranchGuide(p.model, pool="median")
     with pytest.raises(ValueError, match="feature_net"):
         AutoAmortizedBranchGuide(p.model, feature_net=(0, 4))
-    with pytest.raises(StructureError, match="param_net maps 8 pooled features to 3 outputs; the level needs"):
+    with pytest.raises(StructureError, match="param_net maps 9 pooled features to 3 outputs; the level needs"):
+        AutoAmortizedBranchGuide(p.model, feature_net=(4,), param_net=nn.Linear(9, 3))(*p.args)
+    with pytest.raises(StructureError, match="param_net must take 9 pooled features"):
         AutoAmortizedBranchGuide(p.model, feature_net=(4,), param_net=nn.Linear(8, 3))(*p.args)
     guide = AutoAmortizedBranchGuide(p.model, **SMALL)
     guide(*p.args)
