@@ -25,3 +25,6 @@ def test_demo_command_prints_the_table_and_writes_the_plot(tmp_path):
     assert all(row.split()[-5] != "—" for row in rows if row.startswith("regression"))
     assert out.exists() and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert all(row.split()[-5] == "—" for row in rows if row.startswith("radon"))
+    # MPImportance's log-evidence with the best guide as proposal, beside that guide's ELBO
+    mp_lines = [line for line in lines if "MPImportance" in line]
+    assert len(mp_lines) == 2 and "log p̂" in mp_lines[0] and "exact log p(y)" in mp_lines[0]
