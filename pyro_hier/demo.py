@@ -20,6 +20,7 @@ from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoMultivariateNormal, AutoNormal
 
 from pyro_hier.diagnostics import count_parameters, elbo_estimate, moment_error, posterior_moments
+from pyro_hier.errors import StructureError
 from pyro_hier.guides import AutoAmortizedBranchGuide, AutoBranchGuide
 from pyro_hier.infer import MPImportance
 from pyro_hier.problems import Problem
@@ -114,9 +115,12 @@ def _evaluate(label: str, problem: Problem, name: str, guide, losses: list[float
 
 def _mp_importance_line(label: str, problem: Problem, guide, result: FitResult, num_samples: int = 32) -> str:
     """``log p̂`` of :class:`~pyro_hier.MPImportance` with the best fitted guide as proposal, beside its ELBO."""
-    with torch.no_grad():
-        mp = MPImportance(problem.model, guide, num_samples=num_samples).run(*problem.args, **problem.kwargs)
-        log_p = float(mp.get_log_normalizer())
+    try:
+        with torch.no_grad():
+            mp = MPImportance(problem.model, guide, num_samples=num_samples).run(*problem.args, **problem.kwargs)
+            log_p = float(mp.get_log_normalizer())
+    except StructureError as e:  # e.g. observations that index group effects from another plate (radon)
+        return f"{label}: MPImportance not applicable: {e}"
     exact = f", exact log p(y) {problem.log_evidence:.2f}" if problem.log_evidence is not None else ""
     return (
         f"{label}: MPImportance (K={num_samples}, proposal {result.guide}) log p̂ {log_p:.2f}; "

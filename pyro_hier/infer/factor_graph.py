@@ -191,8 +191,18 @@ class FactorGraph:
                         )
                     drop.append(i)
                 elif size > 1 or pos in own:
+                    index = self.indices[symbol]
+                    outside = [q.name for q in index.plates if q.symbol not in {p.symbol for p in plates}]
+                    if outside:
+                        raise StructureError(
+                            f"{what} (plates {[p.name for p in plates]}) depends on the samples of "
+                            f"{index.sites} drawn per element of plate(s) {outside}, which it is not in (e.g. "
+                            "observations indexing group effects with z[group] in a separate plate). A plated "
+                            "contraction can only combine a site with parents whose plates enclose it: nest the "
+                            "observations inside the group plate, or estimate with a guide-based method."
+                        )
                     symbols.append(symbol)
-                    sizes.append(self.indices[symbol].size)
+                    sizes.append(index.size)
                 else:
                     drop.append(i)
         if drop:
