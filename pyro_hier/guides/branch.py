@@ -75,7 +75,7 @@ class AutoBranchGuide(HierarchicalGuide):
         vanishes where q equals the posterior, so when the family can (nearly) match the posterior — ``"dense"``
         contains the exact posterior of a linear-Gaussian model; many observations per group make local posteriors
         close to Gaussian — minibatch training gets much closer to the optimum (benchmarks/README.md: dense at
-        N = 1,000, 0.29 → 0.01 nats/group). Far from such a match it adds noise: on eight schools it slowed
+        N = 1,000, 0.30 → 0.013 nats/group). Far from such a match it adds noise: on eight schools it slowed
         convergence (mu off by 1 posterior sd after 1,500 steps, against 0.07 without). Default ``False``:
         Pyro's standard reparameterised gradient.
 
