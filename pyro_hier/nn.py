@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-__all__ = ["MLP", "Standardize", "masked_pool", "pool_with_square", "segment_pool"]
+__all__ = ["MLP", "Standardize", "masked_pool", "pool_with_square", "segment_pool", "with_square"]
 
 
 class MLP(nn.Sequential):
@@ -76,10 +76,15 @@ def segment_pool(values: torch.Tensor, segments: torch.Tensor, num_segments: int
     raise ValueError(f"how must be 'mean', 'sum' or 'max', got {how!r}")
 
 
+def with_square(features: torch.Tensor) -> torch.Tensor:
+    """``[e, e²]`` along the last dim: the paper's embedding and its elementwise square, pooled together."""
+    return torch.cat([features, features * features], dim=-1)
+
+
 def pool_with_square(features: torch.Tensor, dim: int = -2, how: str = "mean") -> torch.Tensor:
     """Pool ``[e, e²]`` over ``dim`` (padded groups): the paper's concatenation of the embedding and its
     elementwise square before pooling."""
-    both = torch.cat([features, features * features], dim=-1)
+    both = with_square(features)
     if how == "mean":
         return both.mean(dim)
     if how == "sum":
@@ -126,7 +131,7 @@ def masked_pool(features: torch.Tensor, mask: torch.Tensor | None, dim: int = -2
     its last dim) is true: padded groups give the same result as their ragged rows (:func:`segment_pool`)."""
     if mask is None:
         return pool_with_square(features, dim, how)
-    both = torch.cat([features, features * features], dim=-1)
+    both = with_square(features)
     m = mask.unsqueeze(-1).to(both.dtype)
     if how == "max":
         filled = both.masked_fill(m == 0, -math.inf).amax(dim)

@@ -15,7 +15,7 @@ from torch import nn
 from pyro_hier.errors import StructureError
 from pyro_hier.guides.branch import AutoBranchGuide
 from pyro_hier.local_data import GroupedData, Observation, capture_observations, nested_features
-from pyro_hier.nn import MLP, Standardize, masked_pool, segment_pool
+from pyro_hier.nn import MLP, Standardize, masked_pool, segment_pool, with_square
 from pyro_hier.plates import PlateCall, capture_plates
 from pyro_hier.structure import ModelStructure, PlateLevel
 from pyro_hier.transforms import prox_positive, prox_positive_inv, scale_tril_from_raw
@@ -137,7 +137,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
 
     # ---- setup --------------------------------------------------------------------------------------------------
     def _setup_prototype(self, *args, **kwargs) -> None:
-        self._setup_call = (args, kwargs)
+        self._setup_call = (args, kwargs)  # completed with the model's run in _setup_guide
         try:
             super()._setup_prototype(*args, **kwargs)
         finally:
@@ -150,6 +150,9 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         self._sources = {
             name: self._find_sources(structure, lvl) for lvl in levels if (name := lvl.name) in self.amortized_levels
         }
+        if self.amortized_levels:  # one run of the model gives every level's data for the input statistics
+            args, kwargs = self._setup_call
+            self._setup_call = (args, kwargs, *self._run_model(args, kwargs))
         self.nets = nn.ModuleDict()
         super()._setup_guide(structure)  # free parameters for the other levels, networks via _setup_level
         to_pyro_module_(self.nets)
@@ -207,8 +210,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
     def _setup_level(self, level: PlateLevel, init: torch.Tensor) -> None:
         if level.name not in self.amortized_levels:
             return super()._setup_level(level, init)
-        args, kwargs = self._setup_call
-        calls, observations = self._run_model(args, kwargs)
+        args, kwargs, calls, observations = self._setup_call
         sources = self._sources[level.name]
         feats = nn.ModuleDict()
         pooled_size = 0
@@ -301,10 +303,8 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
     def _source_rows(self, level, source, args, kwargs, calls, observations, dtype):
         """All rows of a source in this call, with observation weights (for the input statistics)."""
         if source.kind == "ragged":
-            data = self._grouped_data(source.name, args, kwargs)
-            return data.features.to(dtype), None
-        feats, mask = self._nested(level, source, args, kwargs, calls, observations, dtype)
-        return feats, mask
+            return self._grouped_data(source.name, args, kwargs).features.to(dtype), None
+        return self._nested(level, source, args, kwargs, calls, observations, dtype)
 
     def _grouped_data(self, plate: str, args: tuple, kwargs: dict, override=None) -> GroupedData:
         data = self._local_data[plate] if override is None else override
@@ -379,8 +379,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
                 idx = indices[source.name]
                 rows, segment = data.select(idx)
                 e = feat_net(rows.to(dtype=dtype, device=self._device()))
-                both = torch.cat([e, e * e], dim=-1)
-                pooled.append(segment_pool(both, segment.to(e.device), idx.shape[0], self.pool))
+                pooled.append(segment_pool(with_square(e), segment.to(e.device), idx.shape[0], self.pool))
                 count = torch.bincount(segment, minlength=idx.shape[0]).to(device=e.device, dtype=dtype)
                 pooled.append(torch.log1p(count).unsqueeze(-1))
             else:
@@ -412,17 +411,16 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         loc = out[..., :d]
         raw = out[..., d : d + self._raw_scale_size(level)]
         if self._is_diagonal(level):
-            scale = row_scale = prox_positive(raw)
+            scale = prox_positive(raw)
         else:
             rows, cols = torch.tril_indices(d, d, device=out.device)
             full = out.new_zeros((*out.shape[:-1], d, d))
             full[..., rows, cols] = raw
             scale = scale_tril_from_raw(full)
-            row_scale = scale.diagonal(dim1=-2, dim2=-1)
         weight = None
         if self._is_conditional(level):
-            w = out[..., d + self._raw_scale_size(level) :]
-            weight = row_scale.unsqueeze(-1) * w.reshape((*out.shape[:-1], d, self._ancestor_numel(level)))
+            w = out[..., d + self._raw_scale_size(level) :].reshape((*out.shape[:-1], d, self._ancestor_numel(level)))
+            weight = self._row_scale(level, scale).unsqueeze(-1) * w
         return loc, weight, scale
 
     def _dtype(self) -> torch.dtype:

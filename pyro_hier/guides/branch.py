@@ -134,11 +134,15 @@ class AutoBranchGuide(HierarchicalGuide):
     def _is_diagonal(self, level: PlateLevel) -> bool:
         return self.covariance == "diagonal"  # every level, globals included
 
-    def _ancestor_locs(self, level: PlateLevel) -> torch.Tensor:
-        return _concat_broadcast([self._level_params(self._levels[a])[0] for a in level.ancestors])
-
-    def _ancestor_scales(self, level: PlateLevel) -> torch.Tensor:
-        return _concat_broadcast([self._row_scale(self._levels[a]) for a in level.ancestors])
+    def _ancestor_params(self, level: PlateLevel) -> tuple[torch.Tensor, torch.Tensor]:
+        """Concatenated locations and row scales of the level's ancestors (each ancestor's parameters built once)."""
+        locs, scales = [], []
+        for a in level.ancestors:
+            ancestor = self._levels[a]
+            loc, _, scale = self._level_params(ancestor)
+            locs.append(loc)
+            scales.append(self._row_scale(ancestor, scale))
+        return _concat_broadcast(locs), _concat_broadcast(scales)
 
     def _is_conditional(self, level: PlateLevel) -> bool:
         return self.covariance == "dense" and bool(level.ancestors)
@@ -146,9 +150,8 @@ class AutoBranchGuide(HierarchicalGuide):
     def _ancestor_numel(self, level: PlateLevel) -> int:
         return sum(self._levels[a].numel for a in level.ancestors)
 
-    def _row_scale(self, level: PlateLevel) -> torch.Tensor:
-        """The diagonal of the level's Cholesky factor (its sds for ``"diagonal"``), sliced under its plates."""
-        scale = self._level_params(level)[2]
+    def _row_scale(self, level: PlateLevel, scale: torch.Tensor) -> torch.Tensor:
+        """The diagonal of the level's Cholesky factor ``scale`` (which is the vector of sds for ``"diagonal"``)."""
         return scale if self._is_diagonal(level) else scale.diagonal(dim1=-2, dim2=-1)
 
     def _level_params(self, level: PlateLevel) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -162,13 +165,12 @@ class AutoBranchGuide(HierarchicalGuide):
         :func:`~pyro_hier.transforms.scale_tril_from_raw`). :meth:`conditional` gives the paper's form."""
         loc = getattr(self.locs, level.name)
         if self._is_diagonal(level):
-            scale = row_scale = prox_positive(getattr(self.scales, level.name))
+            scale = prox_positive(getattr(self.scales, level.name))
         else:
             scale = scale_tril_from_raw(getattr(self.scale_trils, level.name))
-            row_scale = scale.diagonal(dim1=-2, dim2=-1)  # equals _row_scale(level), already computed
         weight = None
         if self._is_conditional(level):
-            weight = row_scale.unsqueeze(-1) * getattr(self.weights, level.name)
+            weight = self._row_scale(level, scale).unsqueeze(-1) * getattr(self.weights, level.name)
         return loc, weight, scale
 
     def conditional(self, level: str) -> dict[str, torch.Tensor | None]:
@@ -179,8 +181,9 @@ class AutoBranchGuide(HierarchicalGuide):
         lvl = self._levels[level]
         loc, weight, scale = self._level_params(lvl)
         if weight is not None:
-            weight = weight / self._ancestor_scales(lvl).unsqueeze(-2)  # A of the paper's μ + A u_anc
-            loc = loc - (weight @ self._ancestor_locs(lvl).unsqueeze(-1)).squeeze(-1)
+            anc_loc, anc_scale = self._ancestor_params(lvl)
+            weight = weight / anc_scale.unsqueeze(-2)  # A of the paper's μ + A u_anc
+            loc = loc - (weight @ anc_loc.unsqueeze(-1)).squeeze(-1)
         scale_tril = torch.diag_embed(scale) if self._is_diagonal(lvl) else scale
         return {"loc": loc, "weight": weight, "scale_tril": scale_tril}
 
@@ -199,8 +202,10 @@ class AutoBranchGuide(HierarchicalGuide):
         else:
             getattr(self.scale_trils, level).copy_(raw_from_scale_tril(scale_tril))
         if weight is not None:
-            loc = loc + (weight @ self._ancestor_locs(lvl).unsqueeze(-1)).squeeze(-1)
-            relative = weight * self._ancestor_scales(lvl).unsqueeze(-2) / self._row_scale(lvl).unsqueeze(-1)
+            anc_loc, anc_scale = self._ancestor_params(lvl)
+            loc = loc + (weight @ anc_loc.unsqueeze(-1)).squeeze(-1)
+            row_scale = self._row_scale(lvl, self._level_params(lvl)[2])
+            relative = weight * anc_scale.unsqueeze(-2) / row_scale.unsqueeze(-1)
             getattr(self.weights, level).copy_(relative)
         getattr(self.locs, level).copy_(loc)
 
@@ -210,7 +215,7 @@ class AutoBranchGuide(HierarchicalGuide):
         u_anc = None
         if params[1] is not None:
             u_anc = _concat_broadcast([values[a] for a in level.ancestors])
-            params += (self._ancestor_locs(level), self._ancestor_scales(level))
+            params += self._ancestor_params(level)
 
         def build(loc, weight=None, scale=None, anc_loc=None, anc_scale=None):
             if weight is not None:

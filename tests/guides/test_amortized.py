@@ -91,6 +91,9 @@ def test_grouped_data_selects_rows_of_the_minibatch_only():
     torch.testing.assert_close(segment, torch.tensor([0] * SIZES[4] + [1] * SIZES[0]))
     expected = data.features[group == 4]
     torch.testing.assert_close(rows[: SIZES[4]], expected)
+    as_float = data.to(torch.float32)  # moved/cast copy, same grouping
+    assert as_float.features.dtype == torch.float32 and as_float.num_groups == data.num_groups
+    torch.testing.assert_close(as_float.select(torch.tensor([4, 0]))[0], rows.float())
     with pytest.raises(StructureError, match="group index out of range"):
         data.select(torch.tensor([6]))
     with pytest.raises(ValueError, match=r"indices in \[0, 5\] but num_groups=3"):
