@@ -5,7 +5,11 @@ ELBO or estimator. Test problems with exact answers live in :mod:`pyro_hier.prob
 """
 
 from pyro_hier.errors import StructureError
-from pyro_hier.guides import AutoAmortizedBranchGuide, AutoBranchGuide
+from pyro_hier.guides import (
+    AutoAmortizedBranchGuide,
+    AutoBranchGuide,
+    AutoPlateAmortizedFlow,
+)
 from pyro_hier.infer import MPImportance, TensorTooLargeError
 from pyro_hier.local_data import GroupedData
 from pyro_hier.plates import PlateCall, capture_plates
@@ -16,6 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AutoAmortizedBranchGuide",
     "AutoBranchGuide",
+    "AutoPlateAmortizedFlow",
     "GroupedData",
     "LatentSite",
     "MPImportance",

@@ -13,7 +13,7 @@ Two layouts reach the networks:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import pyro.distributions as dist
@@ -24,7 +24,14 @@ from pyro.poutine.messenger import Messenger
 from pyro_hier.errors import StructureError
 from pyro_hier.plates import PlateCall, PlateRecorder
 
-__all__ = ["GroupedData", "Observation", "capture_observations", "nested_features"]
+__all__ = [
+    "GroupedData",
+    "Observation",
+    "call_local_features",
+    "capture_observations",
+    "nested_features",
+    "observation_features",
+]
 
 
 @dataclass
@@ -148,21 +155,22 @@ def capture_observations(
     return plates.calls, observed.observations
 
 
-def nested_features(
+def observation_features(
     obs: Observation,
-    group_plates: tuple[str, ...],
     calls: dict[str, PlateCall],
     covariates: torch.Tensor | None = None,
     dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-observation features of ``obs`` laid out as ``(group plates…, members, F)``, and the mask
-    ``(group plates…, members)`` (``None`` when nothing is masked).
+    """Per-element features of the observed site ``obs``, ``(batch…, F)``, and its mask ``(batch…)`` (``None`` when
+    nothing is masked).
 
-    The group plates come first in the order of their dims (outermost dim first); every other batch dim of the
-    site is flattened into ``members``. ``F`` is the observed value's event, flattened, followed by ``covariates``:
-    a tensor whose batch dims match the site's in this call, or have a subsampled plate at its full size (the
-    model's indices are then selected)."""
+    ``batch`` is the site's batch shape in this call, with the dims of enclosing plates that the value broadcasts
+    along expanded to the plates' sizes. ``F`` is the observed value's event, flattened, followed by
+    ``covariates``: a tensor whose batch dims match the site's in this call, or have a subsampled plate at its full
+    size (the model's indices are then selected)."""
     value = obs.value.to(dtype) if dtype is not None else obs.value
+    if not value.is_floating_point():
+        value = value.to(torch.get_default_dtype())
     batch = value.shape[: value.dim() - obs.event_dim]
     need = max((-d for d in obs.plates.values()), default=0)
     if len(batch) < need:  # a value broadcast along outer plates: give it their dims
@@ -194,9 +202,24 @@ def nested_features(
             ) from None
         parts.append(cov)
     features = torch.cat(parts, dim=-1)
-    mask = None
-    if obs.mask is not None:
-        mask = obs.mask.to(torch.bool).expand(batch)
+    mask = None if obs.mask is None else obs.mask.to(device=features.device, dtype=torch.bool).expand(batch)
+    return features, mask
+
+
+def nested_features(
+    obs: Observation,
+    group_plates: tuple[str, ...],
+    calls: dict[str, PlateCall],
+    covariates: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-observation features of ``obs`` (:func:`observation_features`) laid out as ``(group plates…, members,
+    F)``, and the mask ``(group plates…, members)`` (``None`` when nothing is masked).
+
+    The group plates come first in the order of their dims (outermost dim first); every other batch dim of the
+    site is flattened into ``members``."""
+    features, mask = observation_features(obs, calls, covariates, dtype)
+    nb = features.dim() - 1
     group_dims = sorted(obs.plates[p] for p in group_plates)
     front = [nb + d for d in group_dims]
     rest = [i for i in range(nb) if i not in front]
@@ -206,3 +229,27 @@ def nested_features(
     if mask is not None:
         mask = mask.permute(*front, *rest).reshape((*lead, -1))
     return features, mask
+
+
+def call_local_features(
+    local_features: Callable | None, args: tuple, kwargs: dict, observed: list[str]
+) -> dict[str, torch.Tensor]:
+    """Covariates of the observed sites, ``{site: tensor}``, from a user's ``local_features(*args, **kwargs)``,
+    which returns a tensor (when the model has one observed site) or ``{site: tensor}``."""
+    if local_features is None:
+        return {}
+    value = local_features(*args, **kwargs)
+    if isinstance(value, Mapping):
+        unknown = [k for k in value if k not in observed]
+        if unknown:
+            raise StructureError(
+                f"local_features returned covariates for {unknown}, which are not observed sites of "
+                f"the model (observed: {observed})"
+            )
+        return dict(value)
+    if len(observed) != 1:
+        raise StructureError(
+            f"local_features returned one tensor but the model has observed sites {observed}: return "
+            "{site_name: tensor}"
+        )
+    return {observed[0]: value}

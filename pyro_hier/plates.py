@@ -11,7 +11,7 @@ Pyro's own :class:`~pyro.poutine.subsample_messenger.SubsampleMessenger`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 
@@ -23,7 +23,7 @@ from pyro.poutine.subsample_messenger import _Subsample
 
 from pyro_hier.errors import StructureError
 
-__all__ = ["PlateCall", "capture_plates", "check_plate_sizes", "open_plates"]
+__all__ = ["PlateCall", "capture_plates", "check_plate_sizes", "draw_subsamples", "open_plates"]
 
 
 @dataclass(frozen=True)
@@ -157,3 +157,37 @@ def enter_plates(stack: ExitStack, plates: dict[str, pyro.plate], names: Iterabl
     """Enter ``plates[name]`` for every name, in order, on an :class:`~contextlib.ExitStack`."""
     for name in names:
         stack.enter_context(plates[name])
+
+
+def draw_subsamples(
+    full_sizes: Mapping[str, int],
+    sizes: Mapping[str, int],
+    *,
+    device: torch.device | str | None = None,
+    generator: torch.Generator | None = None,
+) -> dict[str, torch.Tensor]:
+    """Indices for one step of training on a *reduced model*: for every plate in ``sizes``, ``sizes[plate]``
+    distinct elements of ``range(full_sizes[plate])`` drawn uniformly without replacement (sorted).
+
+    Pass them to the model's plates (``pyro.plate(name, N, subsample=idx)``): a site is then kept when all its plates'
+    indices are selected, and Pyro scales each plate's log-densities by ``N / len(idx)``, which makes the minibatch
+    ELBO an unbiased estimate of the full one (PAVI's reduced model, Rouillard et al. 2023, §4.2).
+    ``full_sizes`` is typically ``{name: p.size for name, p in inspect_model(model, args).plates.items()}`` or
+    ``guide.structure.plates``.
+
+    Example::
+
+        idx = draw_subsamples({"groups": 20000, "obs": 50}, {"groups": 20})
+        svi.step(x, subsample=idx["groups"])
+    """
+    out = {}
+    for name, k in sizes.items():
+        if name not in full_sizes:
+            raise StructureError(f"plate '{name}' is not a plate of the model; its plates are {sorted(full_sizes)}")
+        n = full_sizes[name]
+        n = getattr(n, "size", n)  # a PlateInfo
+        if not (isinstance(k, int) and 1 <= k <= n):
+            raise ValueError(f"the reduced size of plate '{name}' must be an integer in 1..{n}, got {k!r}")
+        idx = torch.randperm(n, generator=generator)[:k].sort().values
+        out[name] = idx.to(device) if device is not None else idx
+    return out

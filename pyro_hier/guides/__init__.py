@@ -3,5 +3,11 @@
 from pyro_hier.guides.amortized import AutoAmortizedBranchGuide
 from pyro_hier.guides.base import HierarchicalGuide
 from pyro_hier.guides.branch import AutoBranchGuide
+from pyro_hier.guides.pavi import AutoPlateAmortizedFlow
 
-__all__ = ["AutoAmortizedBranchGuide", "AutoBranchGuide", "HierarchicalGuide"]
+__all__ = [
+    "AutoAmortizedBranchGuide",
+    "AutoBranchGuide",
+    "AutoPlateAmortizedFlow",
+    "HierarchicalGuide",
+]

@@ -14,7 +14,13 @@ from torch import nn
 
 from pyro_hier.errors import StructureError
 from pyro_hier.guides.branch import AutoBranchGuide
-from pyro_hier.local_data import GroupedData, Observation, capture_observations, nested_features
+from pyro_hier.local_data import (
+    GroupedData,
+    Observation,
+    call_local_features,
+    capture_observations,
+    nested_features,
+)
 from pyro_hier.nn import MLP, Standardize, masked_pool, segment_pool, with_square
 from pyro_hier.plates import PlateCall, capture_plates
 from pyro_hier.structure import ModelStructure, PlateLevel
@@ -288,17 +294,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         return capture_plates(self.model, args, kwargs), {}
 
     def _covariates(self, args: tuple, kwargs: dict, site: str, observed: list[str]) -> torch.Tensor | None:
-        if self.local_features is None:
-            return None
-        value = self.local_features(*args, **kwargs)
-        if isinstance(value, Mapping):
-            return value.get(site)
-        if len(observed) != 1:
-            raise StructureError(
-                f"local_features returned one tensor but the model has observed sites {observed}: return "
-                "{site_name: tensor}"
-            )
-        return value
+        return call_local_features(self.local_features, args, kwargs, observed).get(site)
 
     def _source_rows(self, level, source, args, kwargs, calls, observations, dtype):
         """All rows of a source in this call, with observation weights (for the input statistics)."""

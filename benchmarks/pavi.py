@@ -1,0 +1,151 @@
+"""Benchmark: AutoPlateAmortizedFlow (PAVI-F, PAVI-E) vs AutoNormal on Gaussian random effects (GRE), as PAVI's
+Table B.1: the gap to the exact log evidence as the number of groups grows, at equal wall-clock time.
+
+For each number of groups N the script builds ``pyro_hier.problems.gaussian_random_effects(N, num_obs, dim=2)``
+(exact log evidence in float64) and trains every guide on a *reduced model*: each step draws ``--reduced`` groups
+(:func:`pyro_hier.plates.draw_subsamples`, the same seeded sequence for every guide) and Pyro scales the
+minibatch log-densities by N / reduced. Every guide gets the same wall-clock budget (optimisation steps only),
+``ClippedAdam`` with a learning rate decaying geometrically over the expected number of steps, and ``Trace_ELBO``.
+It then estimates the full-data ELBO with :func:`pyro_hier.diagnostics.elbo_estimate` and prints a table: gap per
+group ``(log p(x) − ELBO) / N`` with its standard error, parameter count, steps and seconds.
+
+AutoNormal gets the model's indices through ``create_plates`` (without it Pyro's autoguides draw their own,
+pyro-ppl/pyro#3468).
+
+Usage::
+
+    python benchmarks/pavi.py                           # N = 20, 200, 2,000, 20,000; 60 s per guide and size
+    python benchmarks/pavi.py --quick                   # ~1 minute smoke run
+    python benchmarks/pavi.py --sizes 200 20000 --seconds 120 --guides AutoNormal PAVI-F
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see branch_regression.py: sleeping threads on a busy machine
+
+import argparse
+import math
+import time
+from collections.abc import Callable
+
+import pyro
+import torch
+from pyro.infer import SVI, Trace_ELBO
+from pyro.infer.autoguide import AutoNormal
+
+from pyro_hier import AutoPlateAmortizedFlow
+from pyro_hier.diagnostics import count_parameters, elbo_estimate
+from pyro_hier.plates import draw_subsamples
+from pyro_hier.problems import gaussian_random_effects
+
+
+def _autonormal(p, n: int) -> Callable:
+    def plates(x, subsample=None):
+        return pyro.plate("groups", n, subsample=subsample, dim=-2)
+
+    return AutoNormal(p.model, create_plates=plates, init_scale=0.1)
+
+
+GUIDES: dict[str, Callable] = {
+    "AutoNormal": _autonormal,
+    "PAVI-F": lambda p, n: AutoPlateAmortizedFlow(p.model, encoder="free", encoding_size=8),
+    "PAVI-E": lambda p, n: AutoPlateAmortizedFlow(p.model, encoder="deepset", encoding_size=8),
+}
+#: learning rates (AutoNormal's per-group parameters move only when their group is drawn: a larger step)
+LR = {"AutoNormal": 0.05, "PAVI-F": 0.03, "PAVI-E": 0.03}
+
+
+def run(name: str, n: int, args) -> dict:
+    torch.set_num_threads(1)
+    p = gaussian_random_effects(num_groups=n, num_obs=args.num_obs, dim=2, seed=args.seed)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(args.seed)
+    guide = GUIDES[name](p, n)
+    gen = torch.Generator().manual_seed(args.seed)
+    reduced = min(args.reduced, n)
+    first = draw_subsamples({"groups": n}, {"groups": reduced}, generator=gen)["groups"]
+    guide(*p.args, subsample=first)  # build the parameters before timing
+    # the learning rate decays to 2% over the steps a 2-second probe predicts for the budget
+    elbo = Trace_ELBO(num_particles=args.particles, vectorize_particles=True, max_plate_nesting=2)
+    probe = SVI(p.model, guide, pyro.optim.ClippedAdam({"lr": 0.0}), elbo)
+    start, k = time.perf_counter(), 0
+    while time.perf_counter() - start < 2.0 and k < 200:
+        probe.step(*p.args, subsample=first)
+        k += 1
+    expected = max(10, int(args.seconds / ((time.perf_counter() - start) / k)))
+    pyro.clear_param_store()
+    pyro.set_rng_seed(args.seed)
+    guide = GUIDES[name](p, n)
+    guide(*p.args, subsample=first)
+    optim = pyro.optim.ClippedAdam({"lr": LR[name], "lrd": 0.02 ** (1 / expected)})
+    svi = SVI(p.model, guide, optim, elbo)
+    gen = torch.Generator().manual_seed(args.seed)
+    steps, spent = 0, 0.0
+    while spent < args.seconds:
+        idx = draw_subsamples({"groups": n}, {"groups": reduced}, generator=gen)["groups"]
+        t0 = time.perf_counter()
+        loss = svi.step(*p.args, subsample=idx)
+        spent += time.perf_counter() - t0
+        steps += 1
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"{name} at N={n}: loss {loss} at step {steps}")
+    particles = args.eval_particles if n <= 2000 else max(20, args.eval_particles // 10)
+    with torch.no_grad():
+        value, se = elbo_estimate(
+            p.model, guide, p.args, num_particles=particles, batch_size=max(1, min(100, 2_000_000 // (n * 50)))
+        )
+    gap = p.log_evidence - value
+    return {
+        "guide": name,
+        "N": n,
+        "gap_per_group": gap / n,
+        "se_per_group": se / n,
+        "gap": gap,
+        "params": count_parameters(guide),
+        "steps": steps,
+        "seconds": spent,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[20, 200, 2000, 20000])
+    parser.add_argument("--guides", nargs="+", default=list(GUIDES), choices=list(GUIDES))
+    parser.add_argument("--seconds", type=float, default=60.0, help="optimisation time per guide and size")
+    parser.add_argument("--reduced", type=int, default=20, help="groups per step (the reduced plate)")
+    parser.add_argument("--num-obs", type=int, default=50)
+    parser.add_argument("--particles", type=int, default=4)
+    parser.add_argument("--eval-particles", type=int, default=400)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="N = 20, 200; 4 s per guide")
+    args = parser.parse_args()
+    if args.quick:
+        args.sizes, args.seconds, args.eval_particles = [20, 200], 4.0, 100
+    rows = []
+    head = f"{'N':>7} {'guide':<11} {'gap/group':>10} {'±se':>8} {'gap':>10} {'params':>9} {'steps':>7} {'seconds':>8}"
+    print(head)
+    print("-" * len(head))
+    for n in args.sizes:
+        for name in args.guides:
+            r = run(name, n, args)
+            rows.append(r)
+            print(
+                f"{r['N']:>7} {r['guide']:<11} {r['gap_per_group']:>10.4f} {r['se_per_group']:>8.4f} "
+                f"{r['gap']:>10.2f} {r['params']:>9d} {r['steps']:>7d} {r['seconds']:>8.1f}",
+                flush=True,
+            )
+    print(
+        f"gap = exact log p(x) − ELBO (nats); reduced plate of {args.reduced} groups per step; "
+        f"{args.seconds:g} s of optimisation per row; {args.num_obs} observations per group, D = 2."
+    )
+    by = {(r["guide"], r["N"]): r["gap_per_group"] for r in rows}
+    for name in args.guides:
+        if name != "AutoNormal" and (name, 200) in by and (name, 20000) in by:
+            ratio = by[name, 20000] / by[name, 200]
+            print(f"{name}: gap per group at 20,000 groups / at 200 = {ratio:.2f} (target ≤ 2)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Conditional normalizing flows for the plate-amortized guide, assembled from Pyro's conditional transforms.
+
+A conditional flow here is a :class:`~pyro.distributions.conditional.ConditionalTransformModule`: ``flow.condition(c)``
+returns a bijection of vectors of size ``input_dim`` for a context ``c`` of size ``context_dim`` (broadcast over
+batch dims). The default, as in PAVI (Rouillard et al. 2023, App. B), is an elementwise affine block followed by a
+masked autoregressive flow (Papamakarios et al. 2017; Pyro's :class:`~pyro.distributions.transforms.
+ConditionalAffineAutoregressive`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from pyro.distributions.conditional import ConditionalComposeTransformModule, ConditionalTransformModule
+from pyro.distributions.transforms import conditional_affine_autoregressive
+from torch.distributions.transforms import AffineTransform
+
+from pyro_hier.nn import MLP
+
+__all__ = ["FLOWS", "ConditionalAffine", "make_flow"]
+
+_SOFTPLUS_INV_1 = math.log(math.e - 1.0)
+
+
+class ConditionalAffine(ConditionalTransformModule):
+    r"""``x ↦ a(c) + s(c) ⊙ x`` with ``[a, s̃] = MLP(c) + W c`` and ``s = softplus(s̃ + log(e − 1))`` (1 at 0).
+
+    The linear path ``W c`` lets the shift be an exact affine function of the context (a linear-Gaussian model's
+    posterior mean is affine in the parents' values); the MLP adds what is not linear. The MLP's last layer and ``W``
+    start at zero, so the transform starts as the identity.
+
+    Example::
+
+        t = ConditionalAffine(2, 5)
+        t.condition(torch.randn(5))(torch.zeros(2))   # tensor([0., 0.]) at initialisation
+    """
+
+    def __init__(self, input_dim: int, context_dim: int, hidden: Sequence[int] = (32, 32)) -> None:
+        super().__init__()
+        if input_dim < 1 or context_dim < 1:
+            raise ValueError(f"input_dim and context_dim must be positive, got {input_dim} and {context_dim}")
+        self.input_dim = input_dim
+        self.net = MLP(context_dim, hidden, 2 * input_dim)
+        self.linear = torch.nn.Linear(context_dim, 2 * input_dim, bias=False)
+        with torch.no_grad():
+            self.net[-1].weight.zero_()
+            self.linear.weight.zero_()
+
+    def condition(self, context: torch.Tensor) -> AffineTransform:
+        out = self.net(context) + self.linear(context)
+        shift, raw_scale = out[..., : self.input_dim], out[..., self.input_dim :]
+        # scales below softplus(-15) ≈ 3e-7 would make the inverse overflow (Pyro's affine flows clip too)
+        scale = torch.nn.functional.softplus((raw_scale + _SOFTPLUS_INV_1).clamp(min=-15.0))
+        return AffineTransform(shift, scale, event_dim=1)
+
+
+def _affine(input_dim: int, context_dim: int, hidden: Sequence[int]) -> ConditionalTransformModule:
+    return ConditionalAffine(input_dim, context_dim, hidden)
+
+
+def _affine_maf(input_dim: int, context_dim: int, hidden: Sequence[int]) -> ConditionalTransformModule:
+    if input_dim == 1:  # an autoregressive flow of one coordinate is one more conditional affine map
+        return ConditionalAffine(input_dim, context_dim, hidden)
+    return ConditionalComposeTransformModule(
+        [
+            ConditionalAffine(input_dim, context_dim, hidden),
+            conditional_affine_autoregressive(input_dim, context_dim, hidden_dims=list(hidden)),
+        ],
+        cache_size=1,
+    )
+
+
+#: Named flows: ``name → factory(input_dim, context_dim, hidden)``.
+FLOWS: dict[str, Callable[[int, int, Sequence[int]], ConditionalTransformModule]] = {
+    "affine": _affine,
+    "affine+maf": _affine_maf,
+}
+
+
+def make_flow(
+    flow: str | Callable[[int, int], ConditionalTransformModule],
+    input_dim: int,
+    context_dim: int,
+    hidden: Sequence[int],
+) -> ConditionalTransformModule:
+    """Build a conditional flow: ``flow`` is a name in :data:`FLOWS` or a callable ``(input_dim, context_dim)``
+    returning a :class:`~pyro.distributions.conditional.ConditionalTransformModule` (e.g. a
+    ``ConditionalComposeTransformModule`` of Pyro's conditional spline or coupling transforms)."""
+    if isinstance(flow, str):
+        if flow not in FLOWS:
+            raise ValueError(
+                f"flow must be one of {sorted(FLOWS)} or a callable (input_dim, context_dim), got {flow!r}"
+            )
+        return FLOWS[flow](input_dim, context_dim, hidden)
+    module = flow(input_dim, context_dim)
+    if not isinstance(module, ConditionalTransformModule):
+        raise TypeError(
+            f"flow(input_dim={input_dim}, context_dim={context_dim}) returned {type(module).__name__}; it must "
+            "return a pyro.distributions.conditional.ConditionalTransformModule (for example "
+            "pyro.distributions.transforms.conditional_spline(input_dim, context_dim))"
+        )
+    return module
