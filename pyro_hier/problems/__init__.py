@@ -12,6 +12,7 @@ factory                       model                                       known
 :func:`discrete_mixture`      tiny discrete-latent model                  exact posterior by enumeration
 :func:`eight_schools`         Rubin's eight schools (centred or not)      posteriordb reference moments
 :func:`radon_mn`              Minnesota radon, county effects             Inference Gym reference moments
+:func:`movielens`             MovieLens user preferences over genres      held-out ratings (10% of each user's)
 ============================  ==========================================  ==========================================
 """
 
@@ -21,6 +22,16 @@ from pyro_hier.problems.discrete import DiscreteProblem, discrete_mixture, discr
 from pyro_hier.problems.eight_schools import eight_schools
 from pyro_hier.problems.gre import GREProblem, gaussian_random_effects, gre_model
 from pyro_hier.problems.linear_gaussian import LinearGaussianProblem, LinearGaussianSystem
+from pyro_hier.problems.movielens import (
+    HeldOutLikelihood,
+    MovieLensProblem,
+    heldout_log_likelihood,
+    movielens,
+    movielens_model,
+    predictive_log_likelihood,
+    ratings_problem,
+    split_by_group,
+)
 from pyro_hier.problems.radon import RADON_SITE_SHAPES, radon_mn
 from pyro_hier.problems.regression import RegressionProblem, regression_model, synthetic_regression
 from pyro_hier.problems.three_level import three_level, three_level_model
@@ -29,9 +40,11 @@ __all__ = [
     "RADON_SITE_SHAPES",
     "DiscreteProblem",
     "GREProblem",
+    "HeldOutLikelihood",
     "LinearGaussianProblem",
     "LinearGaussianSystem",
     "Moments",
+    "MovieLensProblem",
     "Problem",
     "RegressionProblem",
     "crossed_effects",
@@ -41,8 +54,14 @@ __all__ = [
     "eight_schools",
     "gaussian_random_effects",
     "gre_model",
+    "heldout_log_likelihood",
+    "movielens",
+    "movielens_model",
+    "predictive_log_likelihood",
     "radon_mn",
+    "ratings_problem",
     "regression_model",
+    "split_by_group",
     "synthetic_regression",
     "three_level",
     "three_level_model",
