@@ -8,6 +8,7 @@ from pyro_hier.errors import StructureError
 from pyro_hier.guides import (
     AutoAmortizedBranchGuide,
     AutoBranchGuide,
+    AutoHierarchicalVM,
     AutoPlateAmortizedFlow,
 )
 from pyro_hier.infer import MPImportance, TensorTooLargeError
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AutoAmortizedBranchGuide",
     "AutoBranchGuide",
+    "AutoHierarchicalVM",
     "AutoPlateAmortizedFlow",
     "GroupedData",
     "LatentSite",

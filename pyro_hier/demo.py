@@ -22,6 +22,7 @@ from pyro.infer.autoguide import AutoMultivariateNormal, AutoNormal
 from pyro_hier.diagnostics import count_parameters, elbo_estimate, moment_error, posterior_moments
 from pyro_hier.errors import StructureError
 from pyro_hier.guides import AutoAmortizedBranchGuide, AutoBranchGuide, AutoPlateAmortizedFlow
+from pyro_hier.guides.hvm import AutoHierarchicalVM
 from pyro_hier.infer import MPImportance
 from pyro_hier.problems import Problem
 
@@ -41,6 +42,7 @@ DEMO_GUIDES: dict[str, Callable] = {
     "PAVI deepset": lambda p: AutoPlateAmortizedFlow(
         p.model, encoder="deepset", encoding_size=8, local_features=p.local_features, stick_the_landing=True
     ),
+    "AutoHierarchicalVM": lambda p: AutoHierarchicalVM(p.model, num_components=2),
 }
 #: initial learning rate of the networks of amortized guides (free parameters keep ``fit_guide``'s rate)
 DEMO_NETWORK_LR: dict[str, float] = {"AutoAmortizedBranchGuide": 1e-3}

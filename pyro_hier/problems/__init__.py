@@ -17,6 +17,7 @@ factory                       model                                       known
 """
 
 from pyro_hier.problems.base import Moments, Problem
+from pyro_hier.problems.count_pair import CountPairProblem, count_pair, count_pair_model
 from pyro_hier.problems.crossed import crossed_effects, crossed_model
 from pyro_hier.problems.discrete import DiscreteProblem, discrete_mixture, discrete_model
 from pyro_hier.problems.eight_schools import eight_schools
@@ -38,6 +39,7 @@ from pyro_hier.problems.three_level import three_level, three_level_model
 
 __all__ = [
     "RADON_SITE_SHAPES",
+    "CountPairProblem",
     "DiscreteProblem",
     "GREProblem",
     "HeldOutLikelihood",
@@ -47,6 +49,8 @@ __all__ = [
     "MovieLensProblem",
     "Problem",
     "RegressionProblem",
+    "count_pair",
+    "count_pair_model",
     "crossed_effects",
     "crossed_model",
     "discrete_mixture",

@@ -1,0 +1,921 @@
+r"""Hierarchical variational models (Ranganath, Tran & Blei 2016): a mean-field *variational likelihood* whose
+parameters get a *variational prior*, for continuous and discrete latents alike.
+
+The guide :class:`AutoHierarchicalVM` samples, for every element of a plate level, the likelihood parameters
+:math:`\lambda \sim q(\lambda; \theta)` (a reparameterisable mixture of diagonal Gaussians, or a normalizing flow), then
+every latent coordinate :math:`z_d \sim q(z_d \mid \lambda_d)` independently (Normal in unconstrained space for a
+continuous site; Bernoulli, Categorical, Poisson or Binomial for a discrete one). The entropy of the marginal
+:math:`q(z) = \int q(\lambda) \prod_d q(z_d \mid \lambda_d)\, d\lambda` is bounded with an auxiliary
+:math:`r(\lambda \mid z; \phi)`, which gives the hierarchical ELBO (eq. 5)
+
+.. math::
+
+    \tilde{\mathcal L} = \mathbb E_{q(z, \lambda)}\big[\log p(x, z) + \log r(\lambda \mid z)
+        - \textstyle\sum_d \log q(z_d \mid \lambda_d) - \log q(\lambda)\big] \;\le\; \log p(x).
+
+**How the loss stays correct.** A guide-side ``pyro.factor`` holding :math:`\log r` would be left out of the
+score-function learning signal of ``Trace_ELBO`` (it only counts sites the model also has), a silently wrong gradient
+for discrete :math:`z`. Here :math:`\log r` is instead part of the log-density that each latent *site* reports: the
+site of :math:`z_d` is a :class:`HVMSiteDistribution` with
+
+- ``log_prob(z) = log q(z | λ) − log r_d(λ | z)`` (what every Pyro ELBO subtracts, so the loss is eq. 5, and the
+  score-function learning signal of ``Trace_ELBO``, ``TraceGraph_ELBO`` and ``TraceEnum_ELBO`` contains
+  :math:`\log r`, as eq. 8 requires);
+- ``score_parts``: score function :math:`\log q(z \mid \lambda)` only (the density :math:`z` is really drawn from)
+  and the pathwise term :math:`-\log r` (the reparameterised gradient through :math:`\lambda` and :math:`\phi`).
+
+The reported joint density is then :math:`q(\lambda) q(z \mid \lambda) / r(\lambda \mid z)`, so importance weights
+built from it, :math:`p(x, z)\, r(\lambda \mid z) / (q(\lambda) q(z \mid \lambda))`, still average to
+:math:`p(x)` (auxiliary-variable importance sampling). ``TraceMeanField_ELBO`` cannot score a discrete site and is
+refused with an error; see :class:`AutoHierarchicalVM`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import ClassVar
+
+import pyro
+import pyro.distributions as dist
+import pyro.distributions.transforms as T
+import torch
+from pyro.distributions.score_parts import ScoreParts
+from pyro.distributions.torch_distribution import TorchDistribution
+from pyro.distributions.util import sum_rightmost
+from pyro.infer.autoguide.initialization import init_to_feasible
+from pyro.nn import PyroModule, PyroParam
+from pyro.ops.tensor_utils import periodic_repeat
+from torch import nn
+from torch.distributions import constraints, register_kl
+
+from pyro_hier.errors import StructureError
+from pyro_hier.guides.base import HierarchicalGuide, _strip_trailing_ones
+from pyro_hier.guides.branch import _concat_broadcast
+from pyro_hier.plates import enter_plates
+from pyro_hier.structure import LatentSite, ModelStructure
+from pyro_hier.transforms import prox_positive, prox_positive_inv
+
+__all__ = ["AutoHierarchicalVM", "HVMSiteDistribution", "ImplicitMixtureOfDiagNormals"]
+
+_PRIORS = ("mixture", "flow")
+_MAX_CATEGORIES = 64
+
+
+# ---- the variational prior: a reparameterisable mixture of diagonal Gaussians -------------------------------------
+class ImplicitMixtureOfDiagNormals(TorchDistribution):
+    r"""Mixture of diagonal Gaussians :math:`\sum_k \pi_k \mathcal N(x; \mu_k, \operatorname{diag}\sigma_k^2)` with
+    pathwise (implicit) gradients, in any dimension ``D ≥ 1``.
+
+    A sample is drawn as usual (component, then Gaussian); its gradient follows the distributional transform
+    (Graves 2016; implicit reparameterisation, Figurnov et al. 2018): coordinate :math:`d` solves
+    :math:`F_d(x_d \mid x_{<d}; \theta) = u_d` for the conditional CDF
+    :math:`F_d = \sum_k w_k(x_{<d}) \Phi((x_d - \mu_{kd})/\sigma_{kd})` with weights
+    :math:`w_k \propto \pi_k \prod_{d' < d} \mathcal N(x_{d'}; \mu_{kd'}, \sigma_{kd'})`, so
+
+    .. math::
+
+        dx_d = \sum_k \rho_k\,(d\mu_{kd} + \varepsilon_k\, d\sigma_{kd}) - \sum_k dw_k\, \Phi_k(x_d) / p_d(x_d),
+
+    with responsibilities :math:`\rho_k = w_k \mathcal N_k(x_d) / p_d(x_d)` and
+    :math:`\varepsilon_k = (x_d - \mu_{kd}) / \sigma_{kd}`. The returned sample has the drawn value and exactly these
+    derivatives (with respect to the parameters and, through :math:`w_k`, to the earlier coordinates). Pyro's
+    ``MixtureOfDiagNormals`` has another valid pathwise gradient but does not support ``D = 1``, which every
+    Bernoulli element of a plate needs here.
+
+    :param locs: ``(..., K, D)`` component means.
+    :param scales: ``(..., K, D)`` component standard deviations.
+    :param logits: ``(..., K)`` unnormalised log weights.
+
+    Example::
+
+        q = ImplicitMixtureOfDiagNormals(torch.zeros(3, 1), torch.ones(3, 1), torch.zeros(3))
+        x = q.rsample((100,))  # (100, 1), differentiable in the parameters
+    """
+
+    arg_constraints: ClassVar[dict] = {
+        "locs": constraints.real,
+        "scales": constraints.positive,
+        "logits": constraints.real,
+    }
+    support = constraints.real_vector
+    has_rsample = True
+
+    def __init__(self, locs: torch.Tensor, scales: torch.Tensor, logits: torch.Tensor, validate_args=None) -> None:
+        if locs.dim() < 2 or scales.shape != locs.shape or logits.shape != locs.shape[:-1]:
+            raise ValueError(
+                f"expected locs and scales of shape (..., K, D) and logits (..., K); got {tuple(locs.shape)}, "
+                f"{tuple(scales.shape)}, {tuple(logits.shape)}"
+            )
+        self.locs, self.scales, self.logits = locs, scales, logits
+        super().__init__(locs.shape[:-2], locs.shape[-1:], validate_args=validate_args)
+
+    def expand(self, batch_shape, _instance=None):
+        batch_shape = torch.Size(batch_shape)
+        k, d = self.locs.shape[-2:]
+        return ImplicitMixtureOfDiagNormals(
+            self.locs.expand((*batch_shape, k, d)),
+            self.scales.expand((*batch_shape, k, d)),
+            self.logits.expand((*batch_shape, k)),
+            validate_args=False,
+        )
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        eps = (value.unsqueeze(-2) - self.locs) / self.scales
+        log_n = (-0.5 * eps.pow(2) - self.scales.log() - 0.5 * math.log(2 * math.pi)).sum(-1)
+        return torch.logsumexp(torch.log_softmax(self.logits, -1) + log_n, -1)
+
+    def rsample(self, sample_shape=()) -> torch.Tensor:
+        shape = self._extended_shape(sample_shape)
+        k, d = self.locs.shape[-2:]
+        locs = self.locs.expand((*shape[:-1], k, d))
+        scales = self.scales.expand((*shape[:-1], k, d))
+        log_w = torch.log_softmax(self.logits, -1).expand((*shape[:-1], k))
+        with torch.no_grad():
+            which = torch.distributions.Categorical(logits=log_w).sample()
+            index = which[..., None, None].expand((*shape[:-1], 1, d))
+            x = locs.gather(-2, index).squeeze(-2) + scales.gather(-2, index).squeeze(-2) * torch.randn(
+                shape, dtype=locs.dtype, device=locs.device
+            )
+        if not (locs.requires_grad or scales.requires_grad or log_w.requires_grad):
+            return x
+        coords = []
+        for j in range(d):
+            xj, mu, sd = x[..., j], locs[..., j], scales[..., j]
+            with torch.no_grad():
+                eps = (xj.unsqueeze(-1) - mu) / sd
+                log_n = -0.5 * eps.pow(2) - sd.log() - 0.5 * math.log(2 * math.pi)
+                log_joint = log_w + log_n
+                log_p = torch.logsumexp(log_joint, -1, keepdim=True)
+                rho = (log_joint - log_p).exp()
+                # Φ_k / p, or −Q_k / p right of the mixture's median (equal since Σ dw_k = 0; no cancellation)
+                log_cdf = torch.special.log_ndtr(eps)
+                right = torch.logsumexp(log_w + log_cdf, -1, keepdim=True) > math.log(0.5)
+                ratio = torch.where(right, -(torch.special.log_ndtr(-eps) - log_p).exp(), (log_cdf - log_p).exp())
+            w = log_w.exp()
+            delta = (rho * ((mu - mu.detach()) + eps * (sd - sd.detach()))).sum(-1) - ((w - w.detach()) * ratio).sum(-1)
+            xj = xj + delta
+            coords.append(xj)
+            if j + 1 < d:  # weights of the next coordinate's conditional, differentiable in x_{≤j}
+                log_w = log_w + dist.Normal(mu, sd).log_prob(xj.unsqueeze(-1))
+                log_w = log_w - torch.logsumexp(log_w, -1, keepdim=True)
+        return torch.stack(coords, -1)
+
+
+# ---- the latent sites: variational likelihood with the auxiliary term in its density ------------------------------
+class HVMSiteDistribution(TorchDistribution):
+    r"""The distribution :class:`AutoHierarchicalVM` gives a latent site: draws come from the variational likelihood
+    ``base`` :math:`= q(z \mid \lambda)`; the reported density is :math:`q(z \mid \lambda) / r(\lambda \mid z)`.
+
+    ``score_parts`` splits the two as Pyro's gradient estimators need: the score function is
+    :math:`\log q(z \mid \lambda)` alone (for a non-reparameterised ``base``) and :math:`-\log r` is a pathwise term;
+    for a reparameterised ``base`` (continuous sites) everything is pathwise.
+
+    :param base: :math:`q(z \mid \lambda)`.
+    :param log_r: ``log_r(z)``: :math:`\log r(\lambda \mid z)` of the site's coordinates, shaped like
+        ``base.log_prob(z)`` (broadcastable).
+    """
+
+    arg_constraints: ClassVar[dict] = {}
+
+    def __init__(self, base: TorchDistribution, log_r: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.base = base
+        self.log_r = log_r
+        super().__init__(base.batch_shape, base.event_shape, validate_args=False)
+
+    @property
+    def has_rsample(self) -> bool:
+        return self.base.has_rsample
+
+    @constraints.dependent_property
+    def support(self):
+        return self.base.support
+
+    def expand(self, batch_shape, _instance=None):
+        return HVMSiteDistribution(self.base.expand(batch_shape), self.log_r)
+
+    def sample(self, sample_shape=()) -> torch.Tensor:
+        return self.base.sample(sample_shape)
+
+    def rsample(self, sample_shape=()) -> torch.Tensor:
+        return self.base.rsample(sample_shape)
+
+    def _parts(self, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        log_q = self.base.log_prob(value)
+        log_q, log_r = torch.broadcast_tensors(log_q, self.log_r(value))
+        return log_q, log_r
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        log_q, log_r = self._parts(value)
+        return log_q - log_r
+
+    def score_parts(self, value: torch.Tensor) -> ScoreParts:
+        log_q, log_r = self._parts(value)
+        log_prob = log_q - log_r
+        if self.has_rsample:
+            return ScoreParts(log_prob=log_prob, score_function=0, entropy_term=log_prob)
+        return ScoreParts(log_prob=log_prob, score_function=log_q, entropy_term=-log_r)
+
+
+@register_kl(HVMSiteDistribution, torch.distributions.Distribution)
+def _refuse_analytic_kl(p, q):
+    raise TypeError(
+        "AutoHierarchicalVM: an analytic KL divergence was requested for one of its discrete latent sites (this is "
+        "what TraceMeanField_ELBO does). Its guide density q(z|λ)/r(λ|z) has no closed-form KL, and "
+        "TraceMeanField_ELBO has no score-function estimator for discrete sites. Train with Trace_ELBO, "
+        "TraceGraph_ELBO (lower variance) or TraceEnum_ELBO."
+    )
+
+
+# ---- per-site variational likelihood families ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class _SiteSpec:
+    """How one latent site is represented: its family, value shape per element and block of λ."""
+
+    name: str
+    family: str  # "normal" | "bernoulli" | "categorical" | "poisson" | "binomial"
+    elem_shape: torch.Size  # value shape per plate element (globals: the whole shape)
+    event_dim: int  # event dims of the sampled value (unconstrained space for continuous sites)
+    batch_dims: int  # non-plate batch dims kept inside elem_shape (globals only)
+    offset: int  # start of the site's block in the element's λ
+    low: int = 0  # categorical: smallest value
+    count: int = 0  # categorical: number of values; binomial: total count
+
+    @property
+    def continuous(self) -> bool:
+        return self.family == "normal"
+
+    @property
+    def num_params(self) -> int:
+        return {"normal": 2, "categorical": self.count}.get(self.family, 1)
+
+    @property
+    def num_features(self) -> int:
+        return {"normal": 3, "bernoulli": 2, "categorical": self.count}.get(self.family, 3)
+
+    @property
+    def num_coords(self) -> int:
+        return math.prod(self.elem_shape)
+
+    @property
+    def size(self) -> int:
+        return self.num_coords * self.num_params
+
+    def likelihood(self, params: torch.Tensor, *, event: bool = True) -> TorchDistribution:
+        """``q(z | λ)`` from ``params`` of shape ``(..., *elem_shape, P)`` (``event=False``: one factor per
+        coordinate, no event dims)."""
+        if self.family == "normal":
+            d = dist.Normal(params[..., 0], params[..., 1].exp())
+        elif self.family == "bernoulli":
+            d = dist.Bernoulli(logits=params[..., 0])
+        elif self.family == "categorical":
+            d = _ShiftedCategorical(params, self.low)
+        elif self.family == "poisson":
+            d = dist.Poisson(params[..., 0].clamp(max=30.0).exp())
+        else:
+            d = dist.Binomial(self.count, logits=params[..., 0])
+        return d.to_event(self.event_dim) if (event and self.event_dim) else d
+
+    def features(self, z: torch.Tensor) -> torch.Tensor:
+        """Features of the value by which ``r(λ | z)`` depends on ``z``: ``(..., *elem_shape, F)``."""
+        if self.family == "bernoulli":
+            return torch.stack([torch.ones_like(z), z], -1)
+        if self.family == "categorical":
+            return nn.functional.one_hot((z - self.low).long(), self.count).to(z.dtype)
+        if self.family == "normal":
+            t = z
+        elif self.family == "poisson":
+            t = z.log1p()
+        else:
+            p = (z + 0.5) / (self.count + 1)
+            t = p.log() - (-p).log1p()
+        return torch.stack([torch.ones_like(t), t, t * t], -1)
+
+
+class _ShiftedCategorical(dist.Categorical):
+    """Categorical over ``low, low + 1, …`` (value = index + low), with float values like the model's site."""
+
+    def __init__(self, logits: torch.Tensor, low: int) -> None:
+        self.low = low
+        super().__init__(logits=logits)
+
+    def expand(self, batch_shape, _instance=None):
+        return _ShiftedCategorical(self.logits.expand(torch.Size(batch_shape) + self.logits.shape[-1:]), self.low)
+
+    def sample(self, sample_shape=()):
+        return super().sample(sample_shape) + self.low
+
+    def log_prob(self, value):
+        return super().log_prob((value - self.low).long())
+
+
+@dataclass(frozen=True)
+class _Level:
+    """Latent sites sharing one set of plates; every plate element has its own λ of length ``numel``."""
+
+    name: str
+    plates: tuple[str, ...]
+    sites: tuple[_SiteSpec, ...]
+    batch_shape: torch.Size
+
+    @property
+    def numel(self) -> int:
+        return sum(s.size for s in self.sites)
+
+
+def _unwrap(fn):
+    while isinstance(fn, dist.Independent | dist.MaskedDistribution | dist.ExpandedDistribution):
+        fn = fn.base_dist
+    return fn
+
+
+def _family(site: LatentSite) -> tuple[str, int, int]:
+    """``(family, low, count)`` for a site, from its support (and distribution for Binomial)."""
+    if not site.discrete:
+        return "normal", 0, 0
+    support = site.support
+    while hasattr(support, "base_constraint"):  # independent(...), a mixture's constraint
+        support = support.base_constraint
+    fn = _unwrap(site.fn)
+    if support is constraints.boolean:
+        return "bernoulli", 0, 0
+    if support is constraints.nonnegative_integer:
+        return "poisson", 0, 0
+    if isinstance(support, constraints.integer_interval):
+        if isinstance(fn, torch.distributions.Binomial):
+            n = torch.as_tensor(fn.total_count)
+            if n.numel() and bool((n == n.reshape(-1)[0]).all()) and float(n.reshape(-1)[0]).is_integer():
+                return "binomial", 0, int(n.reshape(-1)[0])
+            raise StructureError(
+                f"site '{site.name}' is Binomial with varying total_count; AutoHierarchicalVM needs one total_count "
+                "per site (split the site, or enumerate it with infer={'enumerate': 'parallel'})"
+            )
+        low, high = support.lower_bound, support.upper_bound
+        if isinstance(low, int | float) and isinstance(high, int | float) and 0 < high - low + 1 <= _MAX_CATEGORIES:
+            return "categorical", int(low), int(high - low + 1)
+    raise StructureError(
+        f"site '{site.name}' has discrete support {site.support} that AutoHierarchicalVM has no variational "
+        "likelihood for (it handles boolean → Bernoulli, integer_interval → Categorical/Binomial, "
+        "nonnegative_integer → Poisson). Enumerate the site with infer={'enumerate': 'parallel'} and TraceEnum_ELBO."
+    )
+
+
+# ---- the guide ----------------------------------------------------------------------------------------------------
+class AutoHierarchicalVM(HierarchicalGuide):
+    r"""Hierarchical variational model (Ranganath, Tran & Blei 2016) as an autoguide: a mean-field variational
+    likelihood whose parameters :math:`\lambda` have a flexible variational prior, so the guide can be correlated and
+    multimodal, for **discrete latents without enumeration** as well as for continuous ones.
+
+    Latent sites are grouped by their plates into levels (the globals, and one level per set of plates). Every
+    element :math:`i` of a level has its own
+
+    - variational prior :math:`q(\lambda_i; \theta_i)`: ``prior="mixture"`` — a mixture of ``num_components``
+      diagonal Gaussians (:class:`ImplicitMixtureOfDiagNormals`, pathwise gradients); ``prior="flow"`` —
+      :math:`\lambda_i = \mu_i + \sigma_i \odot g(\varepsilon)`, :math:`\varepsilon \sim \mathcal N(0, I)`, with
+      :math:`g` a Pyro spline (autoregressive) flow of ``flow_layers`` layers shared by the level's elements;
+    - variational likelihood :math:`\prod_d q(z_{i,d} \mid \lambda_{i,d})`, one factor per latent coordinate, chosen
+      from the site's support: Normal :math:`(\lambda_1, e^{\lambda_2})` in unconstrained space for continuous sites
+      (then mapped with ``biject_to`` as ``AutoNormal`` does), Bernoulli(logits), Categorical(logits),
+      Poisson(:math:`e^\lambda`), Binomial(logits);
+    - auxiliary :math:`r(\lambda_i \mid z_i)`, the paper's factorised *inverse flow* (eq. 9):
+      :math:`\lambda_0 = L\lambda` with :math:`L` unit lower triangular, then
+      :math:`r(\lambda \mid z) = \prod_j \mathcal N(\lambda_{0,j};\ a_j^\top f(z_{c(j)}),\ e^{2 b_j^\top f(z_{c(j)})})`
+      where coordinate :math:`j` of :math:`\lambda` parameterises latent coordinate :math:`c(j)` and :math:`f` are
+      features of one value (indicator/one-hot for Bernoulli and Categorical; :math:`(1, t, t^2)` with
+      :math:`t = \log(1 + z)` for counts, the logit of :math:`(z + ½)/(n + 1)` for Binomial, :math:`u` itself for
+      continuous sites). Each term of :math:`\log r` depends on one latent coordinate, which keeps the
+      score-function learning signal local (eq. 8).
+
+    Elements of a plate are independent (mean field over plate elements); their parameters have the plates' full
+    sizes and are sliced by the model's own subsample indices, so minibatch training is unbiased.
+
+    **Loss.** Use Pyro's ``Trace_ELBO`` (also vectorised or JIT), ``TraceGraph_ELBO`` (lower variance for discrete
+    sites: each score is weighted by its downstream costs only) or ``TraceEnum_ELBO`` (when other discrete sites of
+    the model are enumerated). All three give unbiased gradients of the hierarchical ELBO, because :math:`\log r` is
+    part of each site's reported density (:class:`HVMSiteDistribution`) rather than a guide factor that
+    ``Trace_ELBO`` would leave out of the learning signal; the tests check the gradients of all three against the
+    exact gradient by enumeration. ``TraceMeanField_ELBO`` raises for discrete sites (it has no score-function
+    estimator). The loss is :math:`-\tilde{\mathcal L}`, a bound looser than the ELBO of :math:`q(z)` itself by
+    :math:`\mathbb E_q\,\mathrm{KL}(q(\lambda \mid z) \,\|\, r(\lambda \mid z))`.
+
+    **Summaries.** ``median`` and ``quantiles`` are Monte Carlo estimates from ``summary_samples`` draws (with a fixed
+    seed, so repeated calls agree and the 0.5 quantile equals the median); for the mixture prior,
+    :meth:`log_marginal` gives :math:`\log q(z)` of discrete global sites by quadrature.
+
+    Example::
+
+        guide = AutoHierarchicalVM(model, prior="mixture", num_components=4)
+        svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.02}), TraceGraph_ELBO())
+        for step in range(2000):
+            svi.step(data)
+        samples = Predictive(model, guide=guide, num_samples=100)(data)
+
+    :param model: a Pyro model. Discrete sites marked for enumeration are left to ``TraceEnum_ELBO``; every other
+        latent site (continuous or discrete) is covered.
+    :param prior: ``"mixture"`` or ``"flow"``.
+    :param num_components: mixture components (``prior="mixture"``).
+    :param flow_layers: spline layers of the flow (``prior="flow"``).
+    :param flow_hidden: hidden width of the autoregressive networks of the flow.
+    :param init_loc_fn: initial locations of continuous sites (as in ``AutoNormal``).
+    :param init_scale: initial sd of q(z | λ) for continuous sites and of every mixture component / flow scale.
+    :param init_spread: continuous sites: sd of the random offsets of the mixture components' means at the start,
+        in units of ``init_scale`` (discrete sites start each component at the link of one prior draw).
+    :param summary_samples: draws behind ``median`` and ``quantiles``.
+    :param baseline_beta: if given (e.g. ``0.9``), ``TraceGraph_ELBO`` subtracts a running-average baseline with this
+        decay from each discrete site's learning signal (unbiased; lowers the score-function variance). Other ELBOs
+        ignore it. Pyro keeps that average per particle, so keep ``num_particles`` fixed during a run.
+    :param create_plates: optional plates to use instead of the model's (as in ``AutoNormal``).
+
+    Reference: R. Ranganath, D. Tran, D. Blei, *Hierarchical Variational Models*, ICML 2016.
+    """
+
+    def __init__(
+        self,
+        model: Callable,
+        *,
+        prior: str = "mixture",
+        num_components: int = 4,
+        flow_layers: int = 2,
+        flow_hidden: int = 16,
+        init_loc_fn: Callable = init_to_feasible,
+        init_scale: float = 0.1,
+        init_spread: float = 1.0,
+        summary_samples: int = 2000,
+        baseline_beta: float | None = None,
+        create_plates: Callable | None = None,
+    ) -> None:
+        if prior not in _PRIORS:
+            raise ValueError(f"prior must be one of {_PRIORS}, got {prior!r}")
+        for label, value in (
+            ("num_components", num_components),
+            ("flow_layers", flow_layers),
+            ("flow_hidden", flow_hidden),
+            ("summary_samples", summary_samples),
+        ):
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ValueError(f"{label} must be a positive integer, got {value!r}")
+        for label, value in (("init_scale", init_scale), ("init_spread", init_spread)):
+            if not (isinstance(value, int | float) and value > 0 and math.isfinite(value)):
+                raise ValueError(f"{label} must be a positive number, got {value!r}")
+        if baseline_beta is not None and not (isinstance(baseline_beta, int | float) and 0 <= baseline_beta < 1):
+            raise ValueError(f"baseline_beta must be None or in [0, 1), got {baseline_beta!r}")
+        self.baseline_beta = baseline_beta
+        self.prior = prior
+        self.num_components = num_components
+        self.flow_layers = flow_layers
+        self.flow_hidden = flow_hidden
+        self._init_scale = float(init_scale)
+        self._init_spread = float(init_spread)
+        self.summary_samples = summary_samples
+        super().__init__(model, init_loc_fn=init_loc_fn, create_plates=create_plates)
+
+    # ---- structure ----------------------------------------------------------------------------------------------
+    def _check_sites(self, structure: ModelStructure) -> None:
+        if not self._sites(structure):
+            raise StructureError(
+                "the model has no latent sites that are not enumerated: AutoHierarchicalVM has nothing to approximate"
+            )
+        for name in self._sites(structure):
+            site = structure.latent[name]
+            _family(site)
+            if site.plates:
+                shape = site.unconstrained_shape if not site.discrete else site.shape
+                event_dim = site.unconstrained_event_dim if not site.discrete else site.event_dim
+                batch_len = len(shape) - event_dim
+                for pos in range(batch_len):
+                    if pos - batch_len not in site.plate_dims and shape[pos] != 1:
+                        raise StructureError(
+                            f"site '{name}' has a batch dim {pos - batch_len} of size {shape[pos]} that is not a "
+                            "plate. Declare per-element vectors as events (e.g. .to_event(1)) or put that dim in a "
+                            "pyro.plate."
+                        )
+
+    @staticmethod
+    def _sites(structure: ModelStructure) -> tuple[str, ...]:
+        return tuple(n for n, s in structure.latent.items() if not s.enumerated)
+
+    @property
+    def guide_sites(self) -> tuple[str, ...]:
+        """The latent sites this guide samples: every latent site that is not enumerated, discrete ones included."""
+        assert self.structure is not None
+        return self._sites(self.structure)
+
+    def _build_levels(self, structure: ModelStructure) -> tuple[_Level, ...]:
+        groups: dict[frozenset[str], list[str]] = {}
+        for name in self.guide_sites:
+            groups.setdefault(frozenset(structure.latent[name].plates), []).append(name)
+        order = {n: i for i, n in enumerate(structure.latent)}
+        keys = sorted(groups, key=lambda k: (len(k), min(order[n] for n in groups[k])))
+        levels = []
+        for key in keys:
+            plates = tuple(sorted(key, key=list(structure.plates).index))
+            batch = [1] * max((-structure.plates[p].dim for p in plates), default=0)
+            for p in plates:
+                batch[structure.plates[p].dim] = structure.plates[p].size
+            specs, offset = [], 0
+            for name in groups[key]:
+                site = structure.latent[name]
+                family, low, count = _family(site)
+                shape = site.unconstrained_shape if not site.discrete else site.shape
+                event_dim = site.unconstrained_event_dim if not site.discrete else site.event_dim
+                if plates:
+                    elem, batch_dims = shape[len(shape) - event_dim :], 0
+                else:
+                    elem, batch_dims = shape, len(shape) - event_dim
+                spec = _SiteSpec(name, family, torch.Size(elem), event_dim, batch_dims, offset, low, count)
+                specs.append(spec)
+                offset += spec.size
+            name = "__".join(plates) or "globals"
+            levels.append(_Level(name, plates, tuple(specs), torch.Size(batch)))
+        return tuple(levels)
+
+    # ---- parameters ---------------------------------------------------------------------------------------------
+    def _setup_guide(self, structure: ModelStructure) -> None:
+        self.levels: tuple[_Level, ...] = self._build_levels(structure)
+        self.prior_params = PyroModule()
+        self.aux_params = PyroModule()
+        self.flows = nn.ModuleDict()
+        for level in self.levels:
+            self._setup_level(level)
+
+    def _init_site(self, level: _Level, spec: _SiteSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        """Initial λ of a site: its centre ``level.batch_shape + (size,)`` and one start per mixture component
+        ``level.batch_shape + (K, size)``. Continuous sites: the init location with Gaussian offsets of sd
+        ``init_scale · init_spread``; discrete sites: the prior's mean, and for the components the link of one
+        (smoothed) prior draw each, so the components start spread over the prior's support."""
+        assert self.structure is not None
+        site = self.structure.latent[spec.name]
+        k = self.num_components
+        lead = level.batch_shape
+        if spec.continuous:
+            u = self._init_unconstrained(site)
+            lam = torch.stack([u, torch.full_like(u, math.log(self._init_scale))], -1).reshape((*lead, -1))
+            spread = torch.stack([torch.full_like(u, self._init_scale), torch.zeros_like(u)], -1)
+            spread = (spread * self._init_spread).reshape((*lead, 1, -1))
+            noise = torch.randn((*lead, k, lam.shape[-1]), dtype=lam.dtype, device=lam.device)
+            return lam, lam.unsqueeze(-2) + spread * noise
+        fn = self.prototype_trace.nodes[spec.name]["fn"]
+        with torch.no_grad():
+            draws = fn.sample((256,))
+            base = _unwrap(fn)
+            dtype = draws.dtype if draws.is_floating_point() else getattr(base, "logits", base.mean).dtype
+            draws = draws.to(dtype)
+            for p in site.plates:
+                info = self.structure.plates[p]
+                if info.subsampled:
+                    draws = periodic_repeat(draws, info.size, info.dim - site.event_dim).contiguous()
+            draws = draws.expand((256, *site.shape))
+        if spec.family == "categorical":
+            index = (draws - spec.low).round().long().clamp(0, spec.count - 1)
+            freq = nn.functional.one_hot(index, spec.count).to(dtype).mean(0)
+            mean = (0.7 * freq + 0.3 / spec.count).log()
+        else:
+            mean = self._link(spec, draws.mean(0))
+        starts = self._link(spec, draws[:k]).reshape((k, *lead, -1)).movedim(0, -2)
+        return mean.reshape((*lead, -1)), starts
+
+    @staticmethod
+    def _link(spec: _SiteSpec, value: torch.Tensor) -> torch.Tensor:
+        """λ whose likelihood has mean near ``value`` (smoothed away from the boundary): ``value.shape + (P,)``."""
+        if spec.family == "bernoulli":
+            m = 0.25 + 0.5 * value
+            return (m.log() - (-m).log1p()).unsqueeze(-1)
+        if spec.family == "poisson":
+            return (value + 0.5).log().unsqueeze(-1)
+        if spec.family == "binomial":
+            m = (value + 0.5) / (spec.count + 1)
+            return (m.log() - (-m).log1p()).unsqueeze(-1)
+        # categorical: a draw → mostly its own value; the mean → the frequencies
+        index = (value - spec.low).round().long().clamp(0, spec.count - 1)
+        probs = 0.7 * nn.functional.one_hot(index, spec.count).to(value.dtype) + 0.3 / spec.count
+        return probs.log()
+
+    def _setup_level(self, level: _Level) -> None:
+        inits, starts = zip(*(self._init_site(level, s) for s in level.sites))
+        init = torch.cat(inits, -1)
+        d = level.numel
+        name = level.name
+        if self.prior == "mixture":
+            k = self.num_components
+            locs = torch.cat(starts, -1)
+            scales = torch.full_like(locs, self._init_scale)
+            setattr(self.prior_params, f"{name}_locs", PyroParam(locs, constraints.real, event_dim=2))
+            setattr(self.prior_params, f"{name}_scales", PyroParam(prox_positive_inv(scales), event_dim=2))
+            logits = init.new_zeros((*init.shape[:-1], k))
+            setattr(self.prior_params, f"{name}_logits", PyroParam(logits, constraints.real, event_dim=1))
+        else:
+            setattr(self.prior_params, f"{name}_loc", PyroParam(init, constraints.real, event_dim=1))
+            scale = torch.full_like(init, self._init_scale)
+            setattr(self.prior_params, f"{name}_scale", PyroParam(prox_positive_inv(scale), event_dim=1))
+            self.flows[name] = self._make_flow(d).to(dtype=init.dtype, device=init.device)
+        # auxiliary r(λ | z): the inverse flow's unit-lower-triangular L, then per-coordinate Normal(a·f, exp(b·f))
+        if d > 1 and self.prior == "flow":
+            mix = init.new_zeros((*init.shape[:-1], d, d))
+            setattr(self.aux_params, f"{name}_mix", PyroParam(mix, constraints.real, event_dim=2))
+        for spec, lam in zip(level.sites, inits):
+            p, f = spec.num_params, spec.num_features
+            shape = level.batch_shape + spec.elem_shape + (p, f)
+            lam = lam.reshape(level.batch_shape + spec.elem_shape + (p,))
+            a = lam.new_zeros(shape)
+            b = lam.new_zeros(shape)
+            if self.prior == "flow":  # r's means and sds themselves (mixture prior: offsets from the components)
+                if spec.family == "categorical":  # one-hot features: the table holds the mean for every value
+                    a = a + lam.unsqueeze(-1)
+                else:
+                    a[..., 0] = lam
+                b[..., 0] = math.log(max(self._init_scale, 0.5))
+            event_dim = len(spec.elem_shape) + 2 if level.plates else len(shape)
+            setattr(self.aux_params, f"{spec.name}_mean", PyroParam(a, constraints.real, event_dim=event_dim))
+            setattr(self.aux_params, f"{spec.name}_logscale", PyroParam(b, constraints.real, event_dim=event_dim))
+
+    def _make_flow(self, d: int) -> nn.Module:
+        layers: list[nn.Module] = []
+        for _ in range(self.flow_layers):
+            if d == 1:
+                layers.append(T.Spline(1, count_bins=8, bound=4.0))
+            else:
+                layers.append(T.spline_autoregressive(d, hidden_dims=[self.flow_hidden], count_bins=8, bound=4.0))
+        return nn.ModuleList(layers)
+
+    # ---- the distributions --------------------------------------------------------------------------------------
+    def _prior(self, level: _Level) -> TorchDistribution:
+        """``q(λ; θ)`` of the level's elements (sliced to the current subsample by the plates)."""
+        name = level.name
+        if self.prior == "mixture":
+            locs = getattr(self.prior_params, f"{name}_locs")
+            scales = prox_positive(getattr(self.prior_params, f"{name}_scales"))
+            return ImplicitMixtureOfDiagNormals(locs, scales, getattr(self.prior_params, f"{name}_logits"))
+        loc = getattr(self.prior_params, f"{name}_loc")
+        scale = prox_positive(getattr(self.prior_params, f"{name}_scale"))
+        base = dist.Normal(torch.zeros_like(loc), torch.ones_like(loc)).to_event(1)
+        transforms: list = []
+        for i, layer in enumerate(self.flows[name]):
+            if i and level.numel > 1:  # reverse the order between autoregressive layers
+                transforms.append(T.Permute(torch.arange(level.numel - 1, -1, -1, device=loc.device)))
+            transforms.append(layer)
+        transforms.append(T.AffineTransform(loc, scale, event_dim=1))
+        return dist.TransformedDistribution(base, transforms)
+
+    def _inverse_flow(self, level: _Level, lam: torch.Tensor) -> torch.Tensor:
+        if level.numel == 1 or self.prior != "flow":
+            return lam
+        mix = getattr(self.aux_params, f"{level.name}_mix").tril(-1)
+        return lam + (mix @ lam.unsqueeze(-1)).squeeze(-1)
+
+    def _block(self, level: _Level, spec: _SiteSpec, x: torch.Tensor) -> torch.Tensor:
+        """The site's part of a level's λ-shaped tensor ``x``, as ``(..., *elem_shape, P)``."""
+        block = x[..., spec.offset : spec.offset + spec.size]
+        lead = block.shape[:-1]
+        if not level.plates and spec.batch_dims:
+            lead = _strip_trailing_ones(lead, spec.batch_dims)
+        return block.reshape(lead + spec.elem_shape + (spec.num_params,))
+
+    def _site_distribution(
+        self, level: _Level, spec: _SiteSpec, lam: torch.Tensor, lam0: torch.Tensor, values: dict[str, torch.Tensor]
+    ) -> HVMSiteDistribution:
+        """The site's :class:`HVMSiteDistribution`. ``values`` holds the element's earlier sites (unconstrained for
+        continuous ones): the mixture prior's ``r`` needs the whole element, so its ``log r`` sits on the level's
+        last site (earlier sites carry none); the flow prior's factorised ``r`` puts each site's terms on it."""
+        params = self._block(level, spec, lam)
+        if self.prior == "mixture":
+            if spec is not level.sites[-1]:
+                return HVMSiteDistribution(spec.likelihood(params), lambda z: z.new_zeros(()))
+
+            fixed = self._mixture_r_params(level)  # read now: parameters are sliced to the plates' subsample here
+
+            def log_r(z: torch.Tensor) -> torch.Tensor:
+                return self._log_r_mixture(level, lam, {**values, spec.name: z}, fixed)
+
+            return HVMSiteDistribution(spec.likelihood(params), log_r)
+        target = self._block(level, spec, lam0)
+        mean_w = getattr(self.aux_params, f"{spec.name}_mean")
+        scale_w = getattr(self.aux_params, f"{spec.name}_logscale")
+        event_dim = spec.event_dim
+
+        def log_r(z: torch.Tensor) -> torch.Tensor:
+            f = spec.features(z).to(mean_w.dtype).unsqueeze(-2)  # (..., *elem, 1, F)
+            loc = (mean_w * f).sum(-1)
+            log_scale = (scale_w * f).sum(-1)
+            log_n = -0.5 * ((target - loc) / log_scale.exp()).pow(2) - log_scale - 0.5 * math.log(2 * math.pi)
+            return sum_rightmost(log_n.sum(-1), event_dim)
+
+        return HVMSiteDistribution(spec.likelihood(params), log_r)
+
+    def _mixture_r_params(self, level: _Level) -> dict[str, torch.Tensor]:
+        name = level.name
+        out = {
+            "locs": getattr(self.prior_params, f"{name}_locs"),
+            "scales": prox_positive(getattr(self.prior_params, f"{name}_scales")),
+            "log_pi": torch.log_softmax(getattr(self.prior_params, f"{name}_logits"), -1),
+        }
+        for spec in level.sites:
+            for weight in ("mean", "logscale"):
+                out[f"{spec.name}_{weight}"] = getattr(self.aux_params, f"{spec.name}_{weight}")
+        return out
+
+    def _log_r_mixture(
+        self, level: _Level, lam: torch.Tensor, values: dict[str, torch.Tensor], params: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        r"""``log r(λ | z)`` of one element for the mixture prior: a mixture matched to ``q(λ)``,
+
+        .. math::
+
+            r(\lambda \mid z) = \sum_k w_k(z)\, \mathcal N\big(\lambda;\ \mu_k + \delta(z),\
+                \operatorname{diag}(\sigma_k e^{\gamma(z)})^2\big), \qquad
+            w_k(z) \propto \pi_k\, q(z \mid \mu_k),
+
+        with :math:`\delta_j, \gamma_j` linear in features of the latent coordinate that :math:`\lambda_j`
+        parameterises (free parameters ``φ``). When the components are narrow, :math:`w_k(z)` is the posterior
+        probability of component :math:`k` given :math:`z` and ``r`` is close to :math:`q(\lambda \mid z)`; a
+        single Gaussian ``r`` would leave a gap of up to the entropy of that component posterior."""
+        locs, scales, log_w = params["locs"], params["scales"], params["log_pi"]  # (*batch, K, D), ..., (*batch, K)
+        shifts, log_stretch = [], []
+        for spec in level.sites:
+            z = values[spec.name]
+            n = len(spec.elem_shape)
+            block = locs[..., spec.offset : spec.offset + spec.size]
+            comp = block.reshape((*block.shape[:-1], *spec.elem_shape, spec.num_params))
+            zk = z.reshape((*z.shape[: z.dim() - n], 1, *spec.elem_shape))
+            log_q = spec.likelihood(comp, event=False).log_prob(zk)  # (..., K, *elem)
+            log_w = log_w + log_q.sum(tuple(range(-n, 0))) if n else log_w + log_q
+            f = spec.features(z).to(locs.dtype).unsqueeze(-2)  # (..., *elem, 1, F)
+            for out, weight in ((shifts, "mean"), (log_stretch, "logscale")):
+                t = (params[f"{spec.name}_{weight}"] * f).sum(-1)  # (..., *elem, P)
+                lead = t.shape[: t.dim() - n - 1]
+                out.append(t.reshape((*lead, *(1,) * spec.batch_dims, spec.size)))
+        log_w = log_w - torch.logsumexp(log_w, -1, keepdim=True)
+        shift = _concat_broadcast(shifts).unsqueeze(-2)
+        stretch = _concat_broadcast(log_stretch)
+        sd = scales * stretch.unsqueeze(-2).exp()
+        eps = (lam.unsqueeze(-2) - locs - shift) / sd
+        log_n = (-0.5 * eps.pow(2) - sd.log() - 0.5 * math.log(2 * math.pi)).sum(-1)  # (..., K)
+        return torch.logsumexp(log_w + log_n, -1)
+
+    def _discrete_infer(self) -> dict:
+        """``infer`` of discrete sites: TraceGraph_ELBO's decaying-average baseline (other ELBOs ignore it)."""
+        if self.baseline_beta is None:
+            return {}
+        return {"baseline": {"use_decaying_avg_baseline": True, "baseline_beta": self.baseline_beta}}
+
+    def _sample_site(self, name: str, fn: HVMSiteDistribution, infer: dict | None = None) -> torch.Tensor:
+        """Sample one site of the guide (a hook: tests replace it to check what a wrong placement of log r does)."""
+        return pyro.sample(name, fn, infer=infer or {})
+
+    # ---- sampling -----------------------------------------------------------------------------------------------
+    def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        """Sample every latent site that is not enumerated; returns ``{site: value}`` (constrained)."""
+        self._require_setup(*args, **kwargs)
+        plates = self._create_plates(*args, **kwargs)
+        result: dict[str, torch.Tensor] = {}
+        for level in self.levels:
+            with ExitStack() as stack:
+                enter_plates(stack, plates, level.plates)
+                lam = pyro.sample(
+                    f"_{self._pyro_name}_{level.name}_lambda", self._prior(level), infer={"is_auxiliary": True}
+                )
+                lam0 = self._inverse_flow(level, lam)
+                values: dict[str, torch.Tensor] = {}
+                for spec in level.sites:
+                    fn = self._site_distribution(level, spec, lam, lam0, values)
+                    if spec.continuous:
+                        u = self._sample_site(
+                            f"_{self._pyro_name}_{spec.name}_unconstrained", fn, {"is_auxiliary": True}
+                        )
+                        values[spec.name] = u
+                        result[spec.name] = self._emit(spec.name, u)
+                    else:
+                        values[spec.name] = result[spec.name] = self._sample_site(spec.name, fn, self._discrete_infer())
+        return result
+
+    # ---- summaries ----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _draws(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        """``summary_samples`` draws at full plate size, with a fixed seed (the caller's RNG is left untouched);
+        continuous sites in unconstrained space. Leading dim: the draws."""
+        self._require_setup(*args, **kwargs)
+        assert self.structure is not None
+        full = {
+            n: pyro.plate(n, p.size, dim=p.dim)
+            for n, p in self.structure.plates.items()
+            if p.dim is not None and n in self._guide_plate_names()
+        }
+        saved = self.create_plates
+        self.create_plates = lambda *a, **k: list(full.values())
+        param = next(iter(self.parameters()), None)
+        devices = [param.device] if param is not None and param.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices), pyro.poutine.block():
+                torch.manual_seed(0)
+                dim = -self.structure.max_plate_nesting - 1
+                with pyro.plate("_hvm_summary_draws", self.summary_samples, dim=dim):
+                    values = self.forward(*args, **kwargs)
+        finally:
+            self.create_plates = saved
+        out = {}
+        for name, v in values.items():
+            site = self.structure.latent[name]
+            if not site.discrete:
+                v = torch.distributions.biject_to(site.support).inv(v)
+            shape = site.unconstrained_shape if not site.discrete else site.shape
+            out[name] = v.reshape((self.summary_samples, *tuple(shape)))
+        return out
+
+    @torch.no_grad()
+    def quantiles(self, quantiles: list[float] | torch.Tensor, *args, **kwargs) -> dict[str, torch.Tensor]:
+        """Marginal quantiles of every latent site (Monte Carlo, ``summary_samples`` draws, taken in unconstrained
+        space for continuous sites), full size; the quantile dim comes first. Discrete sites return values of their
+        support (lower empirical quantile).
+
+        Example::
+
+            guide.quantiles([0.05, 0.5, 0.95], data)["z"].shape  # (3, *z.shape)
+        """
+        draws = self._draws(*args, **kwargs)
+        out = {}
+        for name, v in draws.items():
+            site = self.structure.latent[name]
+            value = _empirical_quantiles(v, quantiles, discrete=site.discrete)
+            out[name] = value if site.discrete else self._constrain(name, value)
+        return out
+
+    @torch.no_grad()
+    def median(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        """Marginal medians of every latent site (the 0.5 quantile of :meth:`quantiles`), full size."""
+        return {k: v[0] for k, v in self.quantiles([0.5], *args, **kwargs).items()}
+
+    @torch.no_grad()
+    def log_marginal(self, values: dict[str, torch.Tensor], *, num_nodes: int = 64) -> torch.Tensor:
+        r""":math:`\log q(z)` of the *global* latent sites at the given values, integrating :math:`\lambda` out.
+
+        With the mixture prior, every component is a product of one-dimensional Gaussians, so
+        :math:`q(z) = \sum_k \pi_k \prod_j \int \mathcal N(\lambda_j; \mu_{kj}, \sigma_{kj}) q(z_j \mid \lambda_j)
+        d\lambda_j`; each integral is computed by Gauss–Hermite quadrature with ``num_nodes`` nodes (error: compare
+        with ``2 * num_nodes``). Needs ``prior="mixture"``, sites with one parameter per coordinate (Bernoulli,
+        Poisson, Binomial) and every global site in ``values``, each with one leading batch dim.
+
+        Example::
+
+            grid = torch.cartesian_prod(torch.arange(30.0), torch.arange(30.0))
+            log_q = guide.log_marginal({"z": grid})  # (900,)
+        """
+        if self.prior != "mixture":
+            raise ValueError("log_marginal needs prior='mixture' (a flow prior has no product form to integrate)")
+        if self.prototype_trace is None:
+            raise RuntimeError("the guide has no parameters yet: call it once (or train it) first")
+        level = next((lv for lv in self.levels if not lv.plates), None)
+        if level is None or set(values) != {s.name for s in level.sites}:
+            names = [] if level is None else [s.name for s in level.sites]
+            raise ValueError(f"log_marginal takes values of exactly the global latent sites {names}")
+        for spec in level.sites:
+            if spec.num_params != 1:
+                raise ValueError(
+                    f"site '{spec.name}' ({spec.family}) has {spec.num_params} parameters per coordinate; "
+                    "log_marginal integrates one-parameter families (Bernoulli, Poisson, Binomial) only"
+                )
+        locs = getattr(self.prior_params, f"{level.name}_locs")  # (K, D)
+        scales = prox_positive(getattr(self.prior_params, f"{level.name}_scales"))
+        log_pi = torch.log_softmax(getattr(self.prior_params, f"{level.name}_logits"), -1)
+        x, w = _gauss_hermite(num_nodes, locs.dtype, locs.device)
+        lam = locs.unsqueeze(-1) + math.sqrt(2.0) * scales.unsqueeze(-1) * x  # (K, D, nodes)
+        total = None
+        for spec in level.sites:
+            z = values[spec.name]
+            n = z.shape[0]
+            z = z.reshape(n, spec.num_coords)  # (n, C)
+            block = lam[:, spec.offset : spec.offset + spec.size]  # (K, C, nodes)
+            params = block.permute(0, 2, 1).reshape(lam.shape[0], num_nodes, *spec.elem_shape, 1)
+            like = spec.likelihood(params.unsqueeze(1), event=False)  # batch (K, 1, nodes, *elem)
+            log_q = like.log_prob(z.reshape(1, n, 1, *spec.elem_shape).to(locs.dtype))
+            log_q = log_q.reshape(lam.shape[0], n, num_nodes, -1)  # per coordinate
+            per_coord = torch.logsumexp(log_q + w.log().reshape(1, 1, -1, 1), 2) - 0.5 * math.log(math.pi)
+            term = per_coord.sum(-1)  # (K, n)
+            total = term if total is None else total + term
+        return torch.logsumexp(log_pi.unsqueeze(-1) + total, 0)
+
+
+def _empirical_quantiles(v: torch.Tensor, quantiles, *, discrete: bool) -> torch.Tensor:
+    """Quantiles over dim 0 of draws ``v``: linear interpolation between order statistics, or the lower order
+    statistic for discrete values (which stay in the support)."""
+    n = v.shape[0]
+    q = torch.as_tensor(quantiles, dtype=torch.float64).reshape(-1)
+    if ((q < 0) | (q > 1)).any():
+        raise ValueError(f"quantiles must lie in [0, 1], got {quantiles}")
+    ordered = v.sort(0).values
+    pos = q * (n - 1)
+    lo = pos.floor().long()
+    if discrete:
+        return ordered[lo.to(v.device)]
+    hi = pos.ceil().long()
+    frac = (pos - lo).to(dtype=v.dtype, device=v.device).reshape((-1,) + (1,) * (v.dim() - 1))
+    return ordered[lo.to(v.device)] * (1 - frac) + ordered[hi.to(v.device)] * frac
+
+
+def _gauss_hermite(n: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Nodes and weights of ∫ e^{-x²} f(x) dx ≈ Σ w_i f(x_i) (Golub–Welsch)."""
+    i = torch.arange(1, n, dtype=torch.float64)
+    jacobi = torch.diag(torch.sqrt(i / 2), 1) + torch.diag(torch.sqrt(i / 2), -1)
+    nodes, vecs = torch.linalg.eigh(jacobi)
+    weights = math.sqrt(math.pi) * vecs[0].pow(2)
+    return nodes.to(dtype=dtype, device=device), weights.to(dtype=dtype, device=device)

@@ -1,0 +1,349 @@
+"""AutoHierarchicalVM: gradients against the exact hierarchical ELBO, the loss story, exact KL on a count grid, a
+continuous funnel, plates and minibatches, and the guide surface."""
+
+import itertools
+import math
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import SVI, Trace_ELBO, TraceEnum_ELBO, TraceGraph_ELBO, TraceMeanField_ELBO
+from pyro.infer.autoguide import AutoNormal
+
+from pyro_hier import AutoHierarchicalVM, StructureError
+from pyro_hier.guides.hvm import ImplicitMixtureOfDiagNormals, _gauss_hermite
+from pyro_hier.problems import count_pair
+from pyro_hier.transforms import prox_positive
+
+f64 = torch.float64
+
+
+# ---- the reparameterised mixture ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dim", [1, 2])
+def test_mixture_pathwise_gradient_matches_closed_form(dim):
+    """∇ E[f(x)] from rsample against closed-form moments of a mixture (E x, E x², E x1 x2), D = 1 and 2."""
+    torch.manual_seed(0)
+    locs = torch.randn(3, dim, dtype=f64, requires_grad=True)
+    scales = (torch.rand(3, dim, dtype=f64) + 0.3).requires_grad_()
+    logits = torch.randn(3, dtype=f64, requires_grad=True)
+
+    def moments(locs, scales, logits):
+        pi = torch.softmax(logits, -1).unsqueeze(-1)
+        out = [(pi * locs).sum(0), (pi * (locs**2 + scales**2)).sum(0)]
+        if dim == 2:
+            out.append((pi[:, 0] * locs[:, 0] * locs[:, 1]).sum().reshape(1))
+        return torch.cat(out)
+
+    exact = torch.autograd.functional.jacobian(moments, (locs, scales, logits))
+    q = ImplicitMixtureOfDiagNormals(locs, scales, logits)
+    batches = []  # gradient of each statistic's batch mean, 20 independent batches → mean and standard error
+    for _ in range(20):
+        x = q.rsample((10_000,))
+        stats = [x, x**2] + ([(x[:, 0] * x[:, 1]).unsqueeze(-1)] if dim == 2 else [])
+        f = torch.cat(stats, -1).mean(0)
+        rows = [
+            torch.cat([g.reshape(-1) for g in torch.autograd.grad(fi, (locs, scales, logits), retain_graph=True)])
+            for fi in f
+        ]
+        batches.append(torch.stack(rows))
+    batches = torch.stack(batches)
+    mean, se = batches.mean(0), batches.std(0) / math.sqrt(batches.shape[0])
+    want = torch.cat([j.reshape(j.shape[0], -1) for j in exact], 1)
+    z = (mean - want).abs() / (se + 1e-12)
+    assert z.max() < 5, f"largest z-score {z.max():.1f}"
+    if dim == 2:
+        reference = dist.MixtureOfDiagNormals(locs, scales, logits).log_prob(x[:100])
+        torch.testing.assert_close(ImplicitMixtureOfDiagNormals(locs, scales, logits).log_prob(x[:100]), reference)
+
+
+# ---- gradients of the hierarchical ELBO against enumeration + quadrature ---------------------------------------------
+Y = torch.tensor([0.3, 1.7], dtype=f64)
+
+
+def tiny_model(y):
+    """Global Bernoulli a and Categorical n (one level, λ of length 4), a Bernoulli b_i per item (λ of length 1)."""
+    a = pyro.sample("a", dist.Bernoulli(torch.tensor(0.4, dtype=f64)))
+    n = pyro.sample("n", dist.Categorical(torch.tensor([0.5, 0.3, 0.2], dtype=f64)))
+    with pyro.plate("items", 2, dim=-1):
+        b = pyro.sample("b", dist.Bernoulli(0.2 + 0.6 * a))
+        pyro.sample("y", dist.Normal(b + a + 0.5 * n, 0.7), obs=y)
+
+
+def log_joint(a, n, b):
+    lp = dist.Bernoulli(torch.tensor(0.4, dtype=f64)).log_prob(a)
+    lp = lp + torch.log(torch.tensor([0.5, 0.3, 0.2], dtype=f64))[n.long()]
+    lp = lp + dist.Bernoulli(0.2 + 0.6 * a.unsqueeze(-1)).log_prob(b).sum(-1)
+    return lp + dist.Normal(b + a.unsqueeze(-1) + 0.5 * n.unsqueeze(-1), 0.7).log_prob(Y).sum(-1)
+
+
+def _nodes(guide, level, num_nodes):
+    """Quadrature of q(λ) of every element of ``level``: nodes (M, *batch, D) and log-weights (M, *batch) such that
+    E_q[g(λ)] = Σ exp(logw) g(λ) per element — Gauss–Hermite in each coordinate of each mixture component."""
+    locs = getattr(guide.prior_params, f"{level.name}_locs")  # (*batch, K, D)
+    scales = prox_positive(getattr(guide.prior_params, f"{level.name}_scales"))
+    log_pi = torch.log_softmax(getattr(guide.prior_params, f"{level.name}_logits"), -1)
+    x, w = _gauss_hermite(num_nodes, f64, "cpu")
+    d = locs.shape[-1]
+    grid = torch.cartesian_prod(*[x] * d).reshape(-1, d)  # (n^D, D)
+    logw = torch.cartesian_prod(*[w.log()] * d).reshape(-1, d).sum(-1) - 0.5 * d * math.log(math.pi)
+    lam = locs.unsqueeze(-2) + math.sqrt(2) * scales.unsqueeze(-2) * grid  # (*batch, K, n^D, D)
+    logw = log_pi.unsqueeze(-1) + logw  # (*batch, K, n^D)
+    lam = lam.flatten(-3, -2).movedim(-2, 0)  # (M, *batch, D)
+    return lam, logw.flatten(-2, -1).movedim(-1, 0)
+
+
+def exact_hierarchical_elbo(guide, num_nodes=(8, 16)):
+    """Eq. 5 with z enumerated and λ integrated by quadrature, as a differentiable function of every parameter."""
+    levels = {lv.name: lv for lv in guide.levels}
+    marg, entropy_terms = {}, 0.0
+    for name, configs in (("globals", list(itertools.product([0.0, 1.0], [0, 1, 2]))), ("items", [0.0, 1.0])):
+        level = levels[name]
+        lam, logw = _nodes(guide, level, num_nodes[name == "items"])
+        lam0 = guide._inverse_flow(level, lam)
+        log_prior = guide._prior(level).log_prob(lam)  # (M, *batch)
+        per_config = []
+        for config in configs:
+            values = dict(zip([s.name for s in level.sites], config if isinstance(config, tuple) else (config,)))
+            log_q, log_r, seen = 0.0, 0.0, {}
+            for spec in level.sites:
+                fn = guide._site_distribution(level, spec, lam, lam0, seen)
+                z = torch.tensor(values[spec.name], dtype=f64 if spec.family != "categorical" else torch.long)
+                z = seen[spec.name] = z.expand(fn.batch_shape)
+                log_q = log_q + fn.base.log_prob(z)
+                log_r = log_r + fn.log_r(z)
+            q = (logw + log_q).exp()  # q(λ) q(z|λ) × quadrature weight
+            entropy_terms = entropy_terms + (q * (log_r - log_q - log_prior)).sum()
+            per_config.append(q.sum(0))  # the marginal q(z) (per element)
+        marg[name] = torch.stack(per_config)
+    expected_log_p = 0.0
+    for (i, (a, n)), b0, b1 in itertools.product(enumerate(itertools.product([0.0, 1.0], [0, 1, 2])), [0, 1], [0, 1]):
+        prob = marg["globals"][i] * marg["items"][b0, 0] * marg["items"][b1, 1]
+        lp = log_joint(torch.tensor(a, dtype=f64), torch.tensor(n), torch.tensor([b0, b1], dtype=f64))
+        expected_log_p = expected_log_p + prob * lp
+    return expected_log_p + entropy_terms
+
+
+def fitted_tiny_guide(cls=AutoHierarchicalVM):
+    pyro.clear_param_store()
+    pyro.set_rng_seed(3)
+    guide = cls(tiny_model, num_components=2, init_scale=0.4)
+    svi = SVI(tiny_model, guide, pyro.optim.Adam({"lr": 0.05}), TraceGraph_ELBO())
+    for _ in range(30):  # away from the symmetric start, so every parameter has a gradient
+        svi.step(Y)
+    with torch.no_grad():  # and an r whose mixing and slopes are not zero
+        for p in guide.aux_params.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return guide
+
+
+def gradient_z_scores(guide, elbo, batches=16):
+    params = dict(guide.named_parameters())
+    exact = torch.autograd.grad(exact_hierarchical_elbo(guide), list(params.values()))
+    estimates = []
+    for _ in range(batches):
+        for p in params.values():
+            p.grad = None
+        elbo.loss_and_grads(tiny_model, guide, Y)
+        estimates.append(
+            torch.cat([-(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) for p in params.values()])
+        )
+    estimates = torch.stack(estimates)
+    mean, se = estimates.mean(0), estimates.std(0) / math.sqrt(batches)
+    want = torch.cat([g.reshape(-1) for g in exact])
+    return (mean - want).abs() / (se + 1e-6 * want.abs().max()), want
+
+
+ELBOS = {
+    "Trace_ELBO": lambda: Trace_ELBO(num_particles=4000, vectorize_particles=True, max_plate_nesting=1),
+    "TraceGraph_ELBO": lambda: TraceGraph_ELBO(num_particles=4000, vectorize_particles=True, max_plate_nesting=1),
+    "TraceEnum_ELBO": lambda: TraceEnum_ELBO(num_particles=4000, vectorize_particles=True, max_plate_nesting=1),
+}
+
+
+def test_exact_elbo_is_a_bound_and_matches_pyro_loss():
+    """The quadrature/enumeration value of eq. 5 equals Pyro's estimate of it (within MC error) and is ≤ log p(y)."""
+    guide = fitted_tiny_guide()
+    with torch.no_grad():
+        exact = float(exact_hierarchical_elbo(guide))
+        finer = float(exact_hierarchical_elbo(guide, num_nodes=(11, 32)))
+    assert abs(exact - finer) < 1e-3  # quadrature converged far below the Monte Carlo errors below
+    losses = torch.tensor(
+        [
+            Trace_ELBO(num_particles=4000, vectorize_particles=True, max_plate_nesting=1).loss(tiny_model, guide, Y)
+            for _ in range(8)
+        ]
+    )
+    assert abs(-losses.mean() - exact) < 5 * losses.std() / math.sqrt(8) + 1e-3
+    configs = torch.tensor(list(itertools.product([0.0, 1.0], [0, 1, 2], [0, 1], [0, 1])), dtype=f64)
+    log_evidence = torch.logsumexp(log_joint(configs[:, 0], configs[:, 1], configs[:, 2:]), 0)
+    assert exact < float(log_evidence)
+
+
+@pytest.mark.filterwarnings("ignore:TraceEnum_ELBO found no sample sites")
+@pytest.mark.parametrize("elbo", ELBOS.values(), ids=ELBOS.keys())
+def test_gradient_matches_exact_hierarchical_elbo(elbo):
+    """Every parameter's gradient (prior θ, auxiliary φ) averaged over estimates equals the exact gradient of eq. 5."""
+    guide = fitted_tiny_guide()
+    z, want = gradient_z_scores(guide, elbo())
+    assert want.abs().max() > 0.05  # a non-trivial gradient
+    assert z.max() < 5.0, f"largest z-score {z.max():.1f}"
+
+
+class _LogRAsGuideFactor(AutoHierarchicalVM):
+    """The naive placement: log r as a guide-side pyro.factor after the site (what pyro-internals §5 warns about)."""
+
+    def _sample_site(self, name, fn, infer=None):
+        z = pyro.sample(name, fn.base, infer=infer or {})
+        pyro.factor(f"{name}_log_r", -fn.log_r(z), has_rsample=fn.has_rsample)
+        return z
+
+
+def test_the_check_fails_when_log_r_leaves_the_learning_signal():
+    """Mutation: with log r as a guide-side factor, Trace_ELBO's score-function signal drops it (pyro-internals §5)
+    and the gradient check fails by a wide margin. (TraceGraph_ELBO fails too with a has_rsample=False factor: it
+    drops the factor's pathwise gradient.)"""
+    guide = fitted_tiny_guide(_LogRAsGuideFactor)
+    z, _ = gradient_z_scores(guide, ELBOS["Trace_ELBO"]())
+    assert z.max() > 10.0
+
+
+# ---- the loss story: refused where it would be wrong ----------------------------------------------------------------
+@pytest.mark.parametrize("validation", [True, False])
+def test_trace_mean_field_elbo_is_refused_for_discrete_sites(validation):
+    guide = AutoHierarchicalVM(tiny_model, num_components=2)
+    with pyro.validation_enabled(validation), pytest.raises((NotImplementedError, TypeError)) as info:
+        TraceMeanField_ELBO(max_plate_nesting=1).loss_and_grads(tiny_model, guide, Y)
+    if not validation:
+        assert "Trace_ELBO, TraceGraph_ELBO" in str(info.value)
+
+
+# ---- two counts with a correlated bimodal posterior: exact KL on the grid -----------------------------------------
+def test_count_pair_kl_at_most_half_the_best_mean_field_poisson():
+    """KL(q || p) of the fitted HVM (q(z) integrated over λ by Gauss–Hermite quadrature) against the smallest KL any
+    product of Poissons reaches, both summed exactly over the grid {0..80}²."""
+    problem = count_pair()
+    kl_mf, _ = problem.best_mean_field_poisson()
+    pyro.clear_param_store()
+    pyro.set_rng_seed(1)
+    guide = AutoHierarchicalVM(problem.model, num_components=4, init_scale=0.3, baseline_beta=0.9)
+    steps = 300
+    optim = pyro.optim.ClippedAdam({"lr": 0.05, "lrd": 0.1 ** (1 / steps)})
+    svi = SVI(problem.model, guide, optim, TraceGraph_ELBO(num_particles=32, vectorize_particles=True))
+    for _ in range(steps):
+        svi.step(*problem.args, **problem.kwargs)
+    log_q = guide.log_marginal({"z": problem.grid()})
+    kl, outside = problem.kl_from_log_q(log_q)
+    kl_fine, _ = problem.kl_from_log_q(guide.log_marginal({"z": problem.grid()}, num_nodes=128))
+    assert abs(kl - kl_fine) < 1e-6 and abs(outside) < 1e-8  # quadrature converged; q's mass is on the grid
+    assert kl <= 0.5 * kl_mf, (kl, kl_mf)
+
+
+def test_log_marginal_matches_monte_carlo():
+    """The quadrature q(z) against a Monte Carlo average of q(z | λ) over draws of λ (a separate route)."""
+    problem = count_pair()
+    guide = AutoHierarchicalVM(problem.model, num_components=3, init_scale=0.4)
+    guide(*problem.args, **problem.kwargs)
+    z = torch.tensor([[3.0, 10.0], [10.0, 3.0], [6.0, 6.0], [0.0, 15.0]], dtype=f64)
+    exact = guide.log_marginal({"z": z}).exp()
+    level = guide.levels[0]
+    lam = guide._prior(level).sample((200_000,))
+    spec = level.sites[0]
+    q = spec.likelihood(guide._block(level, spec, lam)).log_prob(z.unsqueeze(1)).exp()  # (4, draws)
+    se = q.std(-1) / math.sqrt(q.shape[-1])
+    assert ((q.mean(-1) - exact).abs() < 5 * se + 1e-12).all()
+
+
+def test_unsupported_discrete_support_and_bad_options_are_errors():
+    def model():
+        pyro.sample("h", dist.OneHotCategorical(torch.ones(3) / 3))
+
+    with pytest.raises(StructureError, match=r"site 'h' has discrete support .*infer=\{'enumerate': 'parallel'\}"):
+        AutoHierarchicalVM(model)()
+    with pytest.raises(ValueError, match="prior"):
+        AutoHierarchicalVM(model, prior="gaussian")
+    with pytest.raises(ValueError, match="num_components"):
+        AutoHierarchicalVM(model, num_components=0)
+
+
+# ---- a continuous funnel with known normaliser ----------------------------------------------------------------------
+def funnel():
+    """Neal's funnel, normalised: log Z = 0, so every ELBO is ≤ 0 and −ELBO is the KL from the posterior."""
+    v = pyro.sample("v", dist.Normal(torch.tensor(0.0, dtype=f64), 3.0))
+    pyro.sample("x", dist.Normal(torch.tensor(0.0, dtype=f64), (v / 2).exp()))
+
+
+def _fitted_elbo(guide, steps=800):
+    pyro.set_rng_seed(0)
+    optim = pyro.optim.ClippedAdam({"lr": 0.05, "lrd": 0.1 ** (1 / steps)})
+    svi = SVI(funnel, guide, optim, Trace_ELBO(num_particles=16, vectorize_particles=True, max_plate_nesting=0))
+    for _ in range(steps):
+        svi.step()
+    elbo = Trace_ELBO(num_particles=4000, vectorize_particles=True, max_plate_nesting=0)
+    losses = torch.tensor([elbo.loss(funnel, guide) for _ in range(5)])
+    return float(-losses.mean()), float(losses.std() / math.sqrt(5))
+
+
+def test_funnel_hvm_elbo_beats_autonormal():
+    pyro.clear_param_store()
+    normal, se_n = _fitted_elbo(AutoNormal(funnel))
+    pyro.clear_param_store()
+    hvm, se_h = _fitted_elbo(AutoHierarchicalVM(funnel, num_components=6, init_scale=0.5, init_spread=3.0))
+    assert hvm < 5 * se_h  # a bound on log Z = 0
+    assert hvm - normal > 5 * math.hypot(se_n, se_h), (hvm, normal)
+
+
+# ---- the guide surface on the continuous toy model of test_surface.py -----------------------------------------------
+@pytest.mark.parametrize("prior", ["mixture", "flow"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_surface_svi_summaries_predictive_state_dict(prior, dtype):
+    import io
+
+    from pyro.infer import Predictive
+    from test_surface import SHAPES, toy_data, toy_model
+
+    y = toy_data(dtype)
+    pyro.clear_param_store()
+    guide = AutoHierarchicalVM(toy_model, prior=prior, summary_samples=500)
+    svi = SVI(toy_model, guide, pyro.optim.Adam({"lr": 0.02}), Trace_ELBO())
+    losses = [svi.step(y, subsample=torch.tensor([0, 3])) for _ in range(15)]  # minibatches of the model's plate
+    assert all(math.isfinite(v) for v in losses)
+    assert all(p.dtype == dtype for p in guide.parameters())
+    assert {k: tuple(v.shape) for k, v in guide(y).items()} == SHAPES
+    median, q = guide.median(y), guide.quantiles([0.1, 0.5, 0.9], y)
+    assert {k: tuple(v.shape) for k, v in median.items()} == SHAPES
+    for name in ("mu", "tau", "z", "s"):
+        assert (q[name][0] < q[name][2]).all()
+        torch.testing.assert_close(q[name][1], median[name])
+    samples = Predictive(toy_model, guide=guide, num_samples=7, parallel=True)(y)
+    assert samples["z"].shape == (7, 6, 1) and samples["y"].shape == (7, 6, 4)
+    buffer = io.BytesIO()
+    torch.save(guide.state_dict(), buffer)
+    pyro.clear_param_store()
+    other = AutoHierarchicalVM(toy_model, prior=prior, summary_samples=500)
+    other(y)
+    other.load_state_dict(torch.load(io.BytesIO(buffer.getvalue())))
+    for k, v in guide.median(y).items():
+        torch.testing.assert_close(other.median(y)[k], v)
+
+
+def test_plates_subsample_slices_per_element_parameters():
+    """A discrete site in a subsampled plate: only the minibatch's elements' parameters get gradients."""
+    data = torch.tensor([0.0, 1.0, 2.0, 5.0, 1.0, 0.0], dtype=f64)
+
+    def model(subsample=None):
+        rate = pyro.sample("rate", dist.LogNormal(torch.tensor(0.0, dtype=f64), 1.0))
+        with pyro.plate("units", 6, subsample=subsample):
+            n = pyro.sample("n", dist.Poisson(rate))
+            pyro.sample("obs", dist.Normal(n, 0.5), obs=data[subsample] if subsample is not None else data)
+
+    pyro.clear_param_store()
+    guide = AutoHierarchicalVM(model, num_components=2)
+    idx = torch.tensor([1, 4])
+    guide(subsample=idx)
+    TraceGraph_ELBO().loss_and_grads(model, guide, subsample=idx)
+    g = next(p.grad for name, p in guide.named_parameters() if name.startswith("prior_params.units_locs"))
+    assert g.shape[0] == 6
+    others = [i for i in range(6) if i not in idx.tolist()]
+    assert (g[others] == 0).all() and (g[idx] != 0).any()
+    assert guide.median()["n"].shape == (6,)
