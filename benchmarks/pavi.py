@@ -74,11 +74,7 @@ def run(name: str, n: int, args) -> dict:
     while time.perf_counter() - start < 2.0 and k < 200:
         probe.step(*p.args, subsample=first)
         k += 1
-    expected = max(10, int(args.seconds / ((time.perf_counter() - start) / k)))
-    pyro.clear_param_store()
-    pyro.set_rng_seed(args.seed)
-    guide = GUIDES[name](p, n)
-    guide(*p.args, subsample=first)
+    expected = max(10, int(args.seconds / ((time.perf_counter() - start) / k)))  # (lr 0: nothing moved)
     optim = pyro.optim.ClippedAdam({"lr": LR[name], "lrd": 0.02 ** (1 / expected)})
     svi = SVI(p.model, guide, optim, elbo)
     gen = torch.Generator().manual_seed(args.seed)
@@ -115,7 +111,7 @@ def main() -> None:
     parser.add_argument("--guides", nargs="+", default=list(GUIDES), choices=list(GUIDES))
     parser.add_argument("--seconds", type=float, default=60.0, help="optimisation time per guide and size")
     parser.add_argument("--reduced", type=int, default=20, help="groups per step (the reduced plate)")
-    parser.add_argument("--num-obs", type=int, default=50)
+    parser.add_argument("--num-obs", type=int, default=5)
     parser.add_argument("--particles", type=int, default=4)
     parser.add_argument("--eval-particles", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0)
