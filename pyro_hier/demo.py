@@ -74,39 +74,87 @@ def fit_guide(
     problem: Problem,
     make_guide: Callable,
     *,
-    steps: int,
+    steps: int | None = None,
+    seconds: float | None = None,
     lr: float = 0.05,
     final_lr_ratio: float = 0.02,
     num_particles: int = 4,
     seed: int = 0,
     network_lr: float | None = None,
+    subsample: Callable[[], torch.Tensor] | None = None,
     progress: Callable | None = None,
 ) -> tuple[torch.nn.Module, list[float], float]:
-    """Fit ``make_guide(problem)`` with Adam (learning rate ``lr`` decaying geometrically to
-    ``lr * final_lr_ratio``) and ``Trace_ELBO`` with ``num_particles`` vectorised particles; return the guide, the
-    per-step losses and the seconds spent. ``network_lr`` (amortized guides) is the networks' initial rate.
-    ``progress``, if given, is called after each step with ``(step, loss)``."""
+    r"""Fit ``make_guide(problem)`` with ClippedAdam and ``Trace_ELBO`` (``num_particles`` vectorised particles) for
+    a number of ``steps`` or a budget of ``seconds``; return the guide, the per-step losses and the seconds spent in
+    the optimisation steps.
+
+    The learning rate decays geometrically from ``lr`` to ``lr * final_lr_ratio`` over the run,
+    :math:`\mathrm{lr}_t = \mathrm{lr} \cdot r^{f_t}` with :math:`f_t` = ``t / steps`` or (with ``seconds``) the
+    fraction of the budget spent before step :math:`t` (only the time inside the SVI steps counts, not
+    ``subsample`` or ``progress``, so the budget means the same on a machine shared with other work; the step that
+    crosses the budget is the last). ``network_lr`` (amortized guides) is the networks' initial rate, decayed alike.
+    ``subsample``, if given, is called before each step for the group indices passed to the model as
+    ``subsample=`` (the model must take that keyword); the guide is built on the full data first. ``progress``, if
+    given, is called after each step with ``(step, loss)``.
+
+    Example::
+
+        users = torch.Generator().manual_seed(0)
+        guide, losses, spent = fit_guide(
+            problem, lambda p: AutoBranchGuide(p.model), seconds=120, lr=0.02,
+            subsample=lambda: torch.randperm(671, generator=users)[:100],
+        )
+
+    Raises:
+        ValueError: unless exactly one of ``steps`` (a positive integer) and ``seconds`` (a positive number) is given.
+        FloatingPointError: if a loss is not finite (names the step and the problem).
+    """
+    if (steps is None) == (seconds is None):
+        raise ValueError(f"fit_guide: give exactly one of steps and seconds, got steps={steps}, seconds={seconds}")
+    if steps is not None and not (isinstance(steps, int) and steps >= 1):
+        raise ValueError(f"fit_guide: steps must be a positive integer, got {steps!r}")
+    if seconds is not None and not (isinstance(seconds, int | float) and math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"fit_guide: seconds must be a positive number, got {seconds!r}")
+    if subsample is not None and not callable(subsample):
+        raise ValueError("fit_guide: subsample must be a callable () -> LongTensor of group indices")
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
     guide = make_guide(problem)
     elbo = Trace_ELBO(num_particles=num_particles, vectorize_particles=num_particles > 1)
-    lrd = final_lr_ratio ** (1 / steps)
-    if network_lr is None:
+    # with a step count ClippedAdam decays the rate itself; with a time budget it is set before each step
+    lrd = final_lr_ratio ** (1 / steps) if steps is not None else 1.0
+    if network_lr is None and subsample is None:
         optim = pyro.optim.ClippedAdam({"lr": lr, "lrd": lrd})
-    else:  # networks of an amortized guide: their own rate (needs the guide built first)
+    else:  # build the guide on the full data first (amortized guides need it for their networks' own rate)
         guide(*problem.args, **problem.kwargs)
-        optim = pyro.optim.ClippedAdam(guide.optim_args(lr=lr, network_lr=network_lr, lrd=lrd))
+        args = {"lr": lr, "lrd": lrd}
+        optim = pyro.optim.ClippedAdam(args if network_lr is None else guide.optim_args(network_lr=network_lr, **args))
     svi = SVI(problem.model, guide, optim, elbo)
-    losses = []
-    start = time.perf_counter()
-    for step in range(steps):
-        loss = svi.step(*problem.args, **problem.kwargs)
+    losses: list[float] = []
+    spent = 0.0
+    step = 0
+    while (step < steps) if steps is not None else (spent < seconds):
+        kwargs = problem.kwargs if subsample is None else {**problem.kwargs, "subsample": subsample()}
+        if seconds is not None:
+            _scale_lr(optim, final_lr_ratio ** (spent / seconds))
+        start = time.perf_counter()
+        loss = svi.step(*problem.args, **kwargs)
+        spent += time.perf_counter() - start
         if not math.isfinite(loss):
             raise FloatingPointError(f"the loss became {loss} at step {step} fitting {problem.name}")
         losses.append(loss)
         if progress is not None:
             progress(step, loss)
-    return guide, losses, time.perf_counter() - start
+        step += 1
+    return guide, losses, spent
+
+
+def _scale_lr(optim: pyro.optim.PyroOptim, factor: float) -> None:
+    """Set every parameter group's learning rate to ``factor`` times its initial rate."""
+    for opt in optim.optim_objs.values():
+        for group in opt.param_groups:
+            group.setdefault("initial_lr", group["lr"])
+            group["lr"] = group["initial_lr"] * factor
 
 
 def _evaluate(label: str, problem: Problem, name: str, guide, losses: list[float], seconds: float) -> FitResult:

@@ -1,7 +1,17 @@
+import dataclasses
+import itertools
+import math
 import subprocess
 import sys
+import time
 
-from pyro_hier.demo import DEMO_GUIDES
+import pyro
+import pytest
+import torch
+
+from pyro_hier import AutoBranchGuide
+from pyro_hier.demo import DEMO_GUIDES, fit_guide
+from pyro_hier.problems import synthetic_regression
 
 
 def test_demo_command_prints_the_table_and_writes_the_plot(tmp_path):
@@ -39,3 +49,80 @@ def test_demo_command_prints_the_table_and_writes_the_plot(tmp_path):
     assert len(mp_lines) == 2 and "log p̂" in mp_lines[0] and "exact log p(y)" in mp_lines[0]
     # radon's homes index county effects from another plate: a clear refusal, not a wrong number
     assert "not applicable" in mp_lines[1] and "'counties'" in mp_lines[1]
+
+
+def _tiny_regression():
+    return synthetic_regression(num_groups=12, dtype=torch.float64)
+
+
+def test_fit_guide_with_a_time_budget_runs_until_the_budget_is_spent_on_the_drawn_minibatches():
+    p = _tiny_regression()
+    generator = torch.Generator().manual_seed(0)
+    drawn, model_calls = [], []
+
+    def draw() -> torch.Tensor:
+        drawn.append(torch.randperm(12, generator=generator)[:4])
+        return drawn[-1]
+
+    def model(*args, subsample=None, **kwargs):
+        model_calls.append((len(drawn), subsample))
+        return p.model(*args, subsample=subsample, **kwargs)
+
+    guide, losses, spent = fit_guide(
+        dataclasses.replace(p, model=model),
+        lambda q: AutoBranchGuide(q.model),
+        seconds=1.5,
+        num_particles=1,
+        subsample=draw,
+    )
+    assert isinstance(guide, AutoBranchGuide)
+    assert spent >= 1.5 and len(losses) == len(drawn) >= 2 and all(math.isfinite(v) for v in losses)
+    # the guide is built on all groups; then every model call of step k (replayed by the guide or run by the ELBO)
+    # gets the indices drawn for that step
+    assert all(s is None for k, s in model_calls if k == 0) and model_calls[0][0] == 0
+    stepped = [(k, s) for k, s in model_calls if k > 0]
+    assert {k for k, _ in stepped} == set(range(1, len(drawn) + 1))
+    assert all(s is drawn[k - 1] for k, s in stepped)
+
+
+def test_fit_guide_decays_the_rate_with_the_fraction_of_the_budget_spent(monkeypatch):
+    p = _tiny_regression()
+    created = []
+    original = pyro.optim.ClippedAdam
+
+    def clipped_adam(*args, **kwargs):
+        created.append(original(*args, **kwargs))
+        return created[-1]
+
+    monkeypatch.setattr(pyro.optim, "ClippedAdam", clipped_adam)
+    factors, clock = [], []
+
+    def progress(step: int, loss: float) -> None:
+        clock.append(time.perf_counter())
+        (optim,) = created
+        f = [g["lr"] / g.get("initial_lr", g["lr"]) for o in optim.optim_objs.values() for g in o.param_groups]
+        assert max(f) - min(f) < 1e-12, "every parameter follows the same schedule"
+        factors.append(f[0])
+
+    budget, ratio = 0.4, 0.1
+    _, losses, spent = fit_guide(
+        p, lambda q: AutoBranchGuide(q.model), seconds=budget, lr=0.05, final_lr_ratio=ratio, progress=progress
+    )
+    assert len(factors) == len(losses) >= 3 and factors[0] == 1.0
+    assert all(a > b for a, b in itertools.pairwise(factors)), "the rate decays with the time spent"
+    # the last step started with s = budget · log(f) / log(ratio) seconds spent: before the budget ran out, and
+    # at most the wall time of that step (which includes it) before the end
+    started = budget * math.log(factors[-1]) / math.log(ratio)
+    assert started < budget <= spent
+    assert started >= spent - (clock[-1] - clock[-2]) - 1e-9
+
+
+def test_fit_guide_needs_exactly_one_of_steps_and_seconds():
+    p = _tiny_regression()
+
+    def make(q):
+        return AutoBranchGuide(q.model)
+
+    for kwargs in ({}, {"steps": 5, "seconds": 1.0}, {"steps": 0}, {"seconds": -1.0}, {"steps": 2, "subsample": 3}):
+        with pytest.raises(ValueError, match="fit_guide"):
+            fit_guide(p, make, **kwargs)
