@@ -13,6 +13,7 @@ factory                       model                                       known
 :func:`eight_schools`         Rubin's eight schools (centred or not)      posteriordb reference moments
 :func:`radon_mn`              Minnesota radon, county effects             Inference Gym reference moments
 :func:`movielens`             MovieLens user preferences over genres      held-out ratings (10% of each user's)
+:func:`occupancy`             sites × species × visits, latent presence   exact evidence and posterior (quadrature)
 ============================  ==========================================  ==========================================
 """
 
@@ -33,6 +34,7 @@ from pyro_hier.problems.movielens import (
     ratings_problem,
     split_by_group,
 )
+from pyro_hier.problems.occupancy import OccupancyProblem, occupancy, occupancy_model
 from pyro_hier.problems.radon import RADON_SITE_SHAPES, radon_mn
 from pyro_hier.problems.regression import RegressionProblem, regression_model, synthetic_regression
 from pyro_hier.problems.three_level import three_level, three_level_model
@@ -47,6 +49,7 @@ __all__ = [
     "LinearGaussianSystem",
     "Moments",
     "MovieLensProblem",
+    "OccupancyProblem",
     "Problem",
     "RegressionProblem",
     "count_pair",
@@ -61,6 +64,8 @@ __all__ = [
     "heldout_log_likelihood",
     "movielens",
     "movielens_model",
+    "occupancy",
+    "occupancy_model",
     "predictive_log_likelihood",
     "radon_mn",
     "ratings_problem",
