@@ -13,8 +13,8 @@ from pyro.distributions.conditional import ConditionalTransformModule
 from pyro.infer.autoguide.initialization import InitMessenger, init_to_feasible
 from pyro.poutine.subsample_messenger import _Subsample
 from torch import nn
-from torch.distributions import biject_to
-from torch.distributions.transforms import ReshapeTransform
+from torch.distributions import biject_to, constraints
+from torch.distributions.transforms import ReshapeTransform, Transform
 
 from pyro_hier.distributions import StickingTheLanding
 from pyro_hier.encoders import DeepSetEncoder, FreeEncoding
@@ -43,18 +43,20 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
 
         u_{i,n} \sim p_i(\cdot \mid \mathrm{pa}_i),\qquad
         \theta_{i,n} = T_i\big(F_i\big(T_i^{-1}(u_{i,n});\ c_{i,n}\big)\big),\qquad
-        c_{i,n} = \big[E_{\ell(i), n},\ T^{-1}(\theta_{\mathrm{anc}(i)})\big]
+        c_{i,n} = \big[E_{\ell(i), n},\ T^{-1}(u_{\mathrm{anc}(i)})\big]
 
     with :math:`T_i` = ``biject_to(support)``. The context :math:`c_{i,n}` is the encoding :math:`E` of the
-    element's plate level (the tuple of plates of the site) and, with ``condition_on_ancestors=True``, the
-    unconstrained values of the sites sampled before it whose plates are among its own, at the same plate element:
-    its *plate ancestors* (the globals of a two-level model) and the earlier sites of its own level, so the guide is
-    autoregressive over the sites of a level (without them, globals with independent priors would be independent
-    under q). The prior conditional carries the dependence on the parents that the model states; the context lets
-    the flow learn the rest (a linear-Gaussian model's posterior
-    mean of a group is affine in the population mean with a different coefficient than the prior's, which an
-    encoding alone cannot express; PAVI's original form, ``condition_on_ancestors=False``, then leaves about
-    0.02 nats per group and dimension on GRE).
+    element's plate level (the tuple of plates of the site) and, with ``condition_on_ancestors=True``, the sites
+    sampled before it whose plates are among its own, at the same plate element: its *plate ancestors* (the globals
+    of a two-level model) and the earlier sites of its own level, so the guide is autoregressive over the sites of a
+    level (without them, globals with independent priors would be independent under q). Each enters through its
+    *base sample* :math:`T^{-1}(u)` — the prior draw its flow pushed forward, an invertible function of its value
+    given its own context — which stays of the prior's order whatever the posterior's location and scale, so the
+    networks see well-scaled inputs (raw values such as a scale's logit near −5.8 ± 0.3 trained much worse on
+    radon). The prior conditional carries the dependence on the parents that the model states; the context lets the
+    flow learn the rest (a linear-Gaussian model's posterior mean of a group is affine in the population mean with a
+    different coefficient than the prior's, which an encoding alone cannot express; PAVI's original form,
+    ``condition_on_ancestors=False``, then leaves about 0.02 nats per group and dimension on GRE).
 
     Encodings (``encoder=``):
 
@@ -279,7 +281,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             )
         level = self._level_of[name]
         parts = [self._encoding(level.name, cascade)]
-        parts += [cascade.unconstrained[a] for a in self._context_sites[name]]
+        parts += [cascade.base_values[a] for a in self._context_sites[name]]
         batch = base.batch_shape
         parts = [_fit_batch(p, len(batch)) for p in parts]
         batch = torch.broadcast_shapes(batch, *(p.shape[:-1] for p in parts))
@@ -287,23 +289,26 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         if base.batch_shape != batch:
             base = base.expand(batch)
 
+        tap = _Tap()
+
         def push_forward(flow: nn.Module, context: torch.Tensor) -> dist.TorchDistribution:
             flat = torch.Size((n,))
             reshape = event_u != flat
             transforms = [to_support.inv]
             transforms += [ReshapeTransform(event_u, flat)] if reshape else []
-            transforms.append(flow.condition(context))
+            transforms += [tap, flow.condition(context)]
             transforms += [ReshapeTransform(flat, event_u)] if reshape else []
             transforms.append(to_support)
             return dist.TransformedDistribution(base, transforms)
 
         q = push_forward(self._modules["flows"][_key(name)], context)
+        maps = _SiteMaps(q.transforms, tap, n)
         if self.stick_the_landing:
             assert self._detached_flows is not None
             parts[0] = parts[0].detach()  # the encoding is a variational parameter; the ancestors' values are not
             context = torch.cat([p.expand(batch + p.shape[-1:]) for p in parts], dim=-1)
             q = StickingTheLanding(q, push_forward(self._detached_flows[0][_key(name)], context))
-        return q, _SiteMaps(to_support, len(event_u), n)
+        return q, maps
 
     def _encoding(self, level: str, cascade: _Cascade) -> torch.Tensor:
         encoder = self._modules["encoder"]
@@ -360,15 +365,44 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             return self.sample_latents(self.num_summary_samples, *args, **kwargs)
 
 
+class _Tap(Transform):
+    """The identity on flat vectors that remembers what went through it: the flow's input, i.e. the base sample."""
+
+    domain = constraints.real_vector
+    codomain = constraints.real_vector
+    bijective = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: torch.Tensor | None = None
+
+    def _call(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen = x
+        return x
+
+    def _inverse(self, y: torch.Tensor) -> torch.Tensor:
+        return y
+
+    def log_abs_det_jacobian(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x.new_zeros(x.shape[:-1])
+
+
 class _SiteMaps:
-    """How a site's constrained value maps to the flat unconstrained vector used as context by its descendants."""
+    """Maps a site's sampled value back to the flow's base space: the prior sample it was pushed from, in
+    unconstrained space and flattened, which is what its descendants see in their contexts."""
 
-    def __init__(self, to_support: torch.distributions.Transform, event_dim: int, numel: int) -> None:
-        self.to_support, self.event_dim, self.numel = to_support, event_dim, numel
+    def __init__(self, transforms: list, tap: _Tap, numel: int) -> None:
+        self.transforms, self.tap, self.numel = transforms, tap, numel
 
-    def flat_unconstrained(self, value: torch.Tensor) -> torch.Tensor:
-        u = self.to_support.inv(value)  # cached: the exact pre-image of the sample
-        return u.reshape((*u.shape[: u.dim() - self.event_dim], self.numel))
+    def base_value(self, value: torch.Tensor) -> torch.Tensor:
+        if self.tap.seen is not None:  # drawn by this site's rsample (a fresh tap per call): the exact base sample
+            return self.tap.seen
+        x = value  # given from outside (e.g. replayed): invert the chain
+        for t in reversed(self.transforms):
+            if t is self.tap:
+                return x
+            x = t.inv(x)
+        raise AssertionError("the tap is part of the chain")
 
 
 class _Cascade(PlateRecorder):
@@ -381,7 +415,7 @@ class _Cascade(PlateRecorder):
         self.covariates = covariates
         self.forced = calls or {}
         self.encodings: dict[str, torch.Tensor] = {}
-        self.unconstrained: dict[str, torch.Tensor] = {}
+        self.base_values: dict[str, torch.Tensor] = {}
         self.result: dict[str, torch.Tensor] = {}
         self._maps: dict[str, _SiteMaps] = {}
 
@@ -404,7 +438,7 @@ class _Cascade(PlateRecorder):
         if msg["is_observed"] or name not in self._maps:
             return
         self.result[name] = msg["value"]
-        self.unconstrained[name] = self._maps[name].flat_unconstrained(msg["value"])
+        self.base_values[name] = self._maps[name].base_value(msg["value"])
 
 
 def _hidden(msg: dict) -> bool:
