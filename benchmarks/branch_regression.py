@@ -59,9 +59,10 @@ from pyro_hier.problems import synthetic_regression
 DEFAULTS = {1000: (120.0, 100), 100_000: (300.0, 400)}
 QUICK_SIZES, QUICK_SECONDS = (200, 2000), 3.0
 #: "X": AutoBranchGuide(covariance=X) with its defaults; "X-stl": the same with stick_the_landing=True;
-#: "amortized[-stl]": AutoAmortizedBranchGuide(covariance="dense") with the paper's network sizes
+#: "amortized[-stl]": AutoAmortizedBranchGuide(covariance="dense", form="paper") with the paper's network sizes;
+#: "natural[-stl]": AutoAmortizedBranchGuide(covariance="dense", form="natural") with its defaults
 BRANCH_GUIDES = ("dense", "block", "diagonal", "dense-stl", "block-stl", "diagonal-stl")
-GUIDE_NAMES = ("AutoNormal", *BRANCH_GUIDES, "amortized", "amortized-stl")
+GUIDE_NAMES = ("AutoNormal", *BRANCH_GUIDES, "amortized", "amortized-stl", "natural", "natural-stl")
 DEFAULT_GUIDES = ("AutoNormal", *BRANCH_GUIDES)
 #: published reference numbers (issue text) and targets
 REFERENCE_AUTONORMAL_GAP = {1000: 1.24, 100_000: 7.29}
@@ -78,8 +79,11 @@ def make_guide(name: str, model: Callable) -> torch.nn.Module:
     if name == "AutoNormal":
         return AutoNormal(model, create_plates=regression_plates)
     kind, _, suffix = name.partition("-")
-    if kind == "amortized":
-        return AutoAmortizedBranchGuide(model, local_features=regression_covariates, stick_the_landing=suffix == "stl")
+    if kind in ("amortized", "natural"):
+        form = "paper" if kind == "amortized" else "natural"
+        return AutoAmortizedBranchGuide(
+            model, form=form, local_features=regression_covariates, stick_the_landing=suffix == "stl"
+        )
     return AutoBranchGuide(model, covariance=kind, stick_the_landing=suffix == "stl")
 
 
@@ -90,7 +94,7 @@ def regression_covariates(x: torch.Tensor, y: torch.Tensor, subsample: torch.Ten
 
 
 def guide_label(name: str) -> str:
-    return name if name == "AutoNormal" or name.startswith("amortized") else f"branch {name}"
+    return name if name == "AutoNormal" or name.startswith(("amortized", "natural")) else f"branch {name}"
 
 
 # ---- shared minibatch sequence ----------------------------------------------------------------------------------

@@ -3,14 +3,17 @@ computed by a network from each group's own data, so the parameter count does no
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from pyro.infer.autoguide.initialization import init_to_feasible
+from pyro.nn import PyroModule, PyroParam
 from pyro.nn.module import to_pyro_module_
 from torch import nn
+from torch.distributions import constraints
 
 from pyro_hier.errors import StructureError
 from pyro_hier.guides.branch import AutoBranchGuide
@@ -29,6 +32,7 @@ from pyro_hier.transforms import prox_positive, prox_positive_inv, scale_tril_fr
 __all__ = ["AutoAmortizedBranchGuide"]
 
 _POOLS = ("mean", "sum", "max")
+_FORMS = ("natural", "paper")
 
 
 @dataclass(frozen=True)
@@ -40,12 +44,37 @@ class _Source:
 
 
 class AutoAmortizedBranchGuide(AutoBranchGuide):
-    r"""Amortized branch Gaussian family of Agrawal & Domke (2021, §5–6): the guide of
-    :class:`~pyro_hier.AutoBranchGuide`, with the parameters of each group's conditional computed from the group's
-    data instead of stored per group.
+    r"""Amortized branch Gaussian family: the conditionals of :class:`~pyro_hier.AutoBranchGuide`, with each group's
+    parameters computed from the group's own data instead of stored per group (Agrawal & Domke 2021, §5–6).
 
-    For a local level (sites sharing a set of plates) and one of its plate elements :math:`i` with observations
-    :math:`\{(x_{ij}, y_{ij})\}_j`,
+    For a local level (sites sharing a set of plates) with element vector :math:`u_i` and observations
+    :math:`\{(x_{ij}, y_{ij})\}_j` of element :math:`i`, two forms are available.
+
+    ``form="natural"`` (default): the conditional is built the way a conjugate posterior is, in natural parameters
+    with one Gaussian potential per observation, summed (the structure of Johnson et al. 2016's structured VAEs and
+    of conjugate-computation VI):
+
+    .. math::
+
+        (L_{ij}, t_{ij}) = f(x_{ij}, y_{ij}), \qquad
+        \Lambda_i = \Lambda_0 + \sum_j L_{ij} L_{ij}^\top, \qquad
+        \eta_i = \eta_0 + \Lambda_0 B\, u_{\mathrm{anc}} + \sum_j L_{ij} t_{ij}, \qquad
+        q(u_i \mid u_{\mathrm{anc}}) = \mathcal N(\Lambda_i^{-1}\eta_i,\ \Lambda_i^{-1}),
+
+    i.e. each observation contributes the pseudo-likelihood :math:`\mathcal N(t_{ij};\ L_{ij}^\top u_i, I_r)` with
+    :math:`L_{ij}` of shape ``d × rank``, and :math:`\Lambda_0` (Cholesky-parameterised), :math:`\eta_0`,
+    :math:`B` are free global parameters (a prior-like factor of precision :math:`\Lambda_0` whose mean moves with
+    the ancestors by :math:`B u_{\mathrm{anc}}`, so :math:`B` is a dimensionless regression coefficient;
+    ``"block"`` drops :math:`B`; ``"diagonal"`` uses diagonal :math:`\Lambda` with :math:`l_{ij}^2` and
+    :math:`l_{ij} t_{ij}` elementwise). :math:`f` is a linear map plus a small leaky-ReLU MLP of the standardised
+    features (``observation_net`` hidden sizes). For a linear-Gaussian likelihood the exact conditional is in the
+    family with the *linear* part alone — synthetic regression: :math:`L_{ij} = x_{ij}`, :math:`t_{ij} = y_{ij}`,
+    :math:`\Lambda_0 = I`, :math:`B = I` gives :math:`\mathcal N(P_i(v_i + \theta), P_i)` — and sums make the
+    precision grow with the group's size, as a posterior's does (ragged groups of 1 or 3,000 observations need no
+    size feature). Cost per step: the network on each observation of the minibatch's groups, one ``d × d``
+    Cholesky and one triangular solve per group (:math:`\Lambda_i^{-1}` is factored without forming it).
+
+    ``form="paper"``: the paper's networks,
 
     .. math::
 
@@ -55,14 +84,20 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
 
     and :math:`q(u_i \mid u_{\mathrm{anc}}) = \mathcal N(\mu_i + \mathrm{diag}(s_i) W_i\,
     (u_{\mathrm{anc}} - m_{\mathrm{anc}})/s_{\mathrm{anc}},\ L_i L_i^\top)` exactly as in ``AutoBranchGuide``
-    (``covariance="block"``/``"diagonal"`` drop :math:`W`/the off-diagonals). The globals keep free parameters.
-    Only the groups of the current minibatch are encoded, so a step costs O(minibatch data) and the parameter
-    count is the same for 10³ or 10⁶ groups. Networks: leaky-ReLU MLPs (paper Table 5 sizes by default), inputs
-    standardised with statistics of the first call's data, truncated-normal init with std
-    :math:`\sqrt{1/\mathrm{fan\_in}}`, last layer std 0.001 with its bias set so that every group starts at the
-    initial location and ``init_scale``. The group size :math:`n_i` is an input beside the pooled features (an
-    addition to the paper): mean pooling alone cannot tell a group of 3 observations from one of 3,000 with the same
-    average, yet their posterior precisions differ a thousandfold.
+    (``covariance="block"``/``"diagonal"`` drop :math:`W`/the off-diagonals). Leaky-ReLU MLPs (paper Table 5 sizes
+    by default), truncated-normal init with std :math:`\sqrt{1/\mathrm{fan\_in}}`, last layer std 0.001 with its
+    bias set so that every group starts at the initial location and ``init_scale``. The group size :math:`n_i` is
+    an input beside the pooled features (an addition to the paper): mean pooling alone cannot tell a group of 3
+    observations from one of 3,000 with the same average. It is selected by ``form="paper"`` or by passing any of
+    ``feature_net``, ``param_net``, ``pool``.
+
+    Measured on the synthetic regression (README.md, "Status of AutoAmortizedBranchGuide"): the natural form reaches
+    a held-out group's exact conditional to 0.016 nats (D = 2, 300 steps) and N = 1,000 (D = 10) to about 0.2
+    nats/group in 120 s, where the paper's form was at 134 nats/group.
+
+    In both forms the globals keep free parameters, only the groups of the current minibatch are encoded (a step
+    costs O(minibatch data); the parameter count is the same for 10³ or 10⁶ groups), and network inputs are
+    standardised with statistics of the first call's data.
 
     Each local level needs data, found in one of two ways:
 
@@ -77,8 +112,8 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
 
     Example::
 
-        guide = AutoAmortizedBranchGuide(model, local_features=lambda x, y, subsample=None: x)
-        svi = SVI(model, guide, pyro.optim.Adam({"lr": 1e-3}), Trace_ELBO())
+        guide = AutoAmortizedBranchGuide(model, local_features=lambda x, y, subsample=None: x, stick_the_landing=True)
+        svi = SVI(model, guide, pyro.optim.ClippedAdam({"lr": 0.03, "lrd": 0.9995}), Trace_ELBO())
         for step in range(5000):
             svi.step(x, y, subsample=torch.randperm(N)[:400])
         guide.local_posterior(x_new, y_new)["groups"]     # {"loc", "weight", "scale_tril"} for the new groups
@@ -89,14 +124,24 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         ``(*args, **kwargs) -> GroupedData``) per plate name; a single one when there is one local plate.
     :param local_features: covariates of nested observations: ``(*args, **kwargs) ->`` a tensor (one observed site)
         or ``{site: tensor}``.
-    :param feature_net: hidden sizes of the feature network, the last being the embedding size, or an
-        ``nn.Module`` mapping ``(..., F)`` to ``(..., H)`` (only with a single data source).
-    :param param_net: hidden sizes of the parameter network, or an ``nn.Module`` mapping ``(..., in)`` to
-        ``(..., P)`` (only with a single local level; ``P`` is reported in the error if it does not match).
-    :param pool: ``"mean"`` (default), ``"sum"`` or ``"max"``.
+    :param form: ``"natural"`` or ``"paper"`` (see above); by default ``"paper"`` when ``feature_net``,
+        ``param_net`` or ``pool`` is given, else ``"natural"``. Options of the other form are refused.
+    :param rank: (natural) columns of each observation's factor :math:`L_{ij}`; default ``min(d, 4)``. Rank 1 has
+        spurious optima (a column cannot flip sign without passing through zero) and learned slowly in tests.
+    :param observation_net: (natural) hidden sizes of the MLP added to the linear map (default ``(32,)``; ``()``
+        for the linear map alone), or an ``nn.Module`` mapping ``(..., F)`` to ``(..., d·rank + rank)`` (``L``
+        row-major, then ``t``; diagonal: ``2d``), only with a single data source of a single local level.
+    :param feature_net: (paper) hidden sizes of the feature network, the last being the embedding size (default
+        ``(64, 64, 64, 128)``), or an ``nn.Module`` mapping ``(..., F)`` to ``(..., H)`` (single data source only).
+    :param param_net: (paper) hidden sizes of the parameter network (default ``(256, 256, 256)``), or an
+        ``nn.Module`` mapping ``(..., in)`` to ``(..., P)`` (single local level only; ``P`` is reported in the
+        error if it does not match).
+    :param pool: (paper) ``"mean"`` (default), ``"sum"`` or ``"max"``.
     :param init_loc_fn, init_scale, create_plates, stick_the_landing: as in ``AutoBranchGuide``.
 
-    Reference: A. Agrawal, J. Domke, *Amortized Variational Inference for Simple Hierarchical Models*, NeurIPS 2021.
+    References: A. Agrawal, J. Domke, *Amortized Variational Inference for Simple Hierarchical Models*, NeurIPS 2021;
+    M. J. Johnson et al., *Composing graphical models with neural networks for structured representations and fast
+    inference*, NeurIPS 2016; M. E. Khan, W. Lin, *Conjugate-Computation Variational Inference*, AISTATS 2017.
     """
 
     def __init__(
@@ -106,17 +151,38 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         covariance: str = "dense",
         local_data: GroupedData | Callable | Mapping[str, GroupedData | Callable] | None = None,
         local_features: Callable | None = None,
-        feature_net: Sequence[int] | nn.Module = (64, 64, 64, 128),
-        param_net: Sequence[int] | nn.Module = (256, 256, 256),
-        pool: str = "mean",
+        form: str | None = None,
+        rank: int | None = None,
+        observation_net: Sequence[int] | nn.Module | None = None,
+        feature_net: Sequence[int] | nn.Module | None = None,
+        param_net: Sequence[int] | nn.Module | None = None,
+        pool: str | None = None,
         init_loc_fn: Callable = init_to_feasible,
         init_scale: float = 0.1,
         create_plates: Callable | None = None,
         stick_the_landing: bool = False,
     ) -> None:
+        paper_options = (("feature_net", feature_net), ("param_net", param_net), ("pool", pool))
+        paper_options = [k for k, v in paper_options if v is not None]
+        natural_options = [k for k, v in (("rank", rank), ("observation_net", observation_net)) if v is not None]
+        if form is None:
+            form = "paper" if paper_options else "natural"
+        if form not in _FORMS:
+            raise ValueError(f"form must be one of {_FORMS}, got {form!r}")
+        wrong = natural_options if form == "paper" else paper_options
+        if wrong:
+            other = "natural" if form == "paper" else "paper"
+            raise ValueError(f"{', '.join(wrong)} belong(s) to form='{other}', not to form='{form}'")
+        pool = "mean" if pool is None else pool
+        feature_net = (64, 64, 64, 128) if feature_net is None else feature_net
+        param_net = (256, 256, 256) if param_net is None else param_net
+        observation_net = (32,) if observation_net is None else observation_net
         if pool not in _POOLS:
             raise ValueError(f"pool must be one of {_POOLS}, got {pool!r}")
-        for label, net in (("feature_net", feature_net), ("param_net", param_net)):
+        if rank is not None and not (isinstance(rank, int) and rank >= 1):
+            raise ValueError(f"rank must be a positive integer, got {rank!r}")
+        nets = (("feature_net", feature_net), ("param_net", param_net), ("observation_net", observation_net))
+        for label, net in nets:
             if not isinstance(net, nn.Module) and not (
                 isinstance(net, Sequence) and all(isinstance(h, int) and h > 0 for h in net)
             ):
@@ -136,6 +202,9 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         self._local_data_arg = local_data
         self.local_features = local_features
         self._net_specs = (feature_net, param_net)  # a tuple: user modules are registered once placed in `nets`
+        self._observation_spec = (observation_net,)
+        self.form = form
+        self.rank = rank
         self.pool = pool
         self._calls: dict[str, PlateCall] | None = None
         self._decoded: dict[str, tuple] | None = None
@@ -160,6 +229,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             args, kwargs = self._setup_call
             self._setup_call = (args, kwargs, *self._run_model(args, kwargs))
         self.nets = nn.ModuleDict()
+        self.natural = PyroModule()  # free natural parameters (Λ₀, η₀, B) of the local levels, form="natural"
         super()._setup_guide(structure)  # free parameters for the other levels, networks via _setup_level
         to_pyro_module_(self.nets)
 
@@ -216,6 +286,8 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
     def _setup_level(self, level: PlateLevel, init: torch.Tensor) -> None:
         if level.name not in self.amortized_levels:
             return super()._setup_level(level, init)
+        if self.form == "natural":
+            return self._setup_natural_level(level, init)
         args, kwargs, calls, observations = self._setup_call
         sources = self._sources[level.name]
         feats = nn.ModuleDict()
@@ -233,6 +305,65 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             out += d * self._ancestor_numel(level)
         params = self._make_param_net(pooled_size, out, init)
         self.nets[_key(level.name)] = nn.ModuleDict({"features": feats, "params": params})
+
+    def _setup_natural_level(self, level: PlateLevel, init: torch.Tensor) -> None:
+        """Observation networks (one per data source) and the free ``Λ₀`` (Cholesky), ``η₀`` and ``C``."""
+        args, kwargs, calls, observations = self._setup_call
+        d, key = level.numel, _key(level.name)
+        feats = nn.ModuleDict()
+        for k, source in enumerate(self._sources[level.name]):
+            rows, weights = self._source_rows(level, source, args, kwargs, calls, observations, init.dtype)
+            net = self._make_observation_net(level, rows.shape[-1], len(self._sources[level.name]), init)
+            feats[str(k)] = nn.Sequential(Standardize.from_data(rows, weights).to(init.device), net)
+        self.nets[key] = nn.ModuleDict({"observations": feats})
+        # q starts from the prior-like Λ₀ = I, η₀ = mean initial location, B = 0, plus the data's terms
+        loc0 = init.reshape(-1, d).mean(0)
+        setattr(self.natural, f"{key}_shift", PyroParam(loc0.clone(), constraints.real, event_dim=1))
+        if self._is_diagonal(level):
+            raw = prox_positive_inv(torch.ones_like(loc0))
+            setattr(self.natural, f"{key}_precision_sd", PyroParam(raw, constraints.real, event_dim=1))
+        else:
+            raw = torch.zeros(d, d, dtype=init.dtype, device=init.device)  # scale_tril_from_raw(0) = I
+            setattr(self.natural, f"{key}_precision_tril", PyroParam(raw, constraints.real, event_dim=2))
+        if self._is_conditional(level):
+            coupling = init.new_zeros((d, self._ancestor_numel(level)))
+            setattr(self.natural, f"{key}_coupling", PyroParam(coupling, constraints.real, event_dim=2))
+
+    def _rank(self, level: PlateLevel) -> int:
+        """Rank of each observation's precision term ``L_j L_jᵀ``: the ``rank`` option, else ``min(d, 4)`` (rank 1
+        has spurious optima: a column of ``L`` cannot change sign without passing through zero)."""
+        return min(level.numel, 4) if self.rank is None else self.rank
+
+    def _make_observation_net(self, level: PlateLevel, in_features: int, num_sources: int, init) -> nn.Module:
+        d, rank = level.numel, self._rank(level)
+        level_outputs = 2 * d if self.covariance == "diagonal" else d * rank + rank
+        spec = self._observation_spec[0]
+        if isinstance(spec, nn.Module):
+            if num_sources != 1 or len(self.amortized_levels) != 1:
+                raise StructureError(
+                    "an observation_net module can serve a single data source of a single local level; this model "
+                    "has several (observed sites or local levels): pass hidden layer sizes instead"
+                )
+            spec = spec.to(dtype=init.dtype, device=init.device)
+            try:
+                with torch.no_grad():
+                    got = spec(torch.zeros(1, in_features, dtype=init.dtype, device=init.device)).shape[-1]
+            except RuntimeError as e:
+                raise StructureError(
+                    f"observation_net must take {in_features} features per observation and return {level_outputs} "
+                    f"(L_j: {d} × rank {rank}, then t_j: rank; diagonal: l_j then t_j, {d} each); calling it "
+                    f"failed: {e}"
+                ) from e
+            if got != level_outputs:
+                raise StructureError(
+                    f"observation_net maps {in_features} features to {got} outputs; the level needs {level_outputs} "
+                    f"(L_j: {d} × rank {rank}, then t_j: rank; diagonal: l_j then t_j, {d} each)"
+                )
+            return spec
+        width = d if self.covariance == "diagonal" else d * rank
+        return _ObservationNet(in_features, tuple(spec), width, level_outputs - width).to(
+            dtype=init.dtype, device=init.device
+        )
 
     def _make_feature_net(self, in_features: int, num_sources: int) -> nn.Module:
         spec = self._net_specs[0]
@@ -340,12 +471,9 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
                         )
             else:
                 indices = {p: calls[p].indices for lvl in self.amortized_levels for p in self._levels[lvl].plates}
-            self._decoded = {
-                name: self._decode(
-                    self._levels[name], self._encode(name, args, kwargs, calls, observations, indices, local_data)
-                )
-                for name in self.amortized_levels
-            }
+            self._decoded = {}  # filled level by level: a nested level's conditional may read its ancestors'
+            for name in self.amortized_levels:
+                self._decoded[name] = self._encode(name, args, kwargs, calls, observations, indices, local_data)
             yield
         finally:
             self._calls = None
@@ -362,45 +490,120 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             return self._calls
         return super()._capture_plates(args, kwargs, names)
 
-    def _encode(self, name, args, kwargs, calls, observations, indices, local_data) -> torch.Tensor:
+    def _source_inputs(self, name, args, kwargs, calls, observations, indices, local_data) -> Iterator[tuple]:
+        """Each data source's rows for the groups of this call: ``(k, rows, segment, mask)`` with ragged rows
+        ``(M, F)`` and their segment ``(M,)`` (mask ``None``), or nested rows ``(group dims…, members, F)`` with
+        their mask or ``None`` (segment ``None``)."""
         level = self._levels[name]
-        nets = self.nets[_key(name)]
-        dtype = self._dtype()
-        pooled = []
+        dtype, device = self._dtype(), self._device()
         for k, source in enumerate(self._sources[name]):
-            feat_net = nets["features"][str(k)]
             if source.kind == "ragged":
                 override = None if local_data is None else local_data.get(source.name)
                 data = self._grouped_data(source.name, args, kwargs, override)
-                idx = indices[source.name]
-                rows, segment = data.select(idx)
-                e = feat_net(rows.to(dtype=dtype, device=self._device()))
-                pooled.append(segment_pool(with_square(e), segment.to(e.device), idx.shape[0], self.pool))
-                count = torch.bincount(segment, minlength=idx.shape[0]).to(device=e.device, dtype=dtype)
-                pooled.append(torch.log1p(count).unsqueeze(-1))
-            else:
-                rows, mask = self._nested(level, source, args, kwargs, calls, observations, dtype)
-                # the model observed every element; the guide's plates may use a subsample of them
-                ordered = sorted(zip(level.dims, level.plates, strict=True))  # the layout of nested_features
-                for axis, (_, p) in enumerate(ordered):
-                    model_idx = calls[p].indices
-                    if model_idx.shape != indices[p].shape or not torch.equal(
-                        model_idx, indices[p].to(model_idx.device)
-                    ):
-                        pos = indices[p].to(rows.device)
-                        rows = rows.index_select(axis, pos)
-                        mask = None if mask is None else mask.index_select(axis, pos)
-                pooled.append(masked_pool(feat_net(rows), mask, dim=-2, how=self.pool))
-                if mask is None:
-                    count = rows.new_full(rows.shape[:-2], rows.shape[-2])
-                else:
-                    count = mask.to(dtype).sum(-1).expand(rows.shape[:-2])
-                pooled.append(torch.log1p(count).unsqueeze(-1))
-        out = nets["params"](torch.cat(pooled, dim=-1))
+                rows, segment = data.select(indices[source.name])
+                yield k, rows.to(dtype=dtype, device=device), segment.to(device), None
+                continue
+            rows, mask = self._nested(level, source, args, kwargs, calls, observations, dtype)
+            # the model observed every element; the guide's plates may use a subsample of them
+            ordered = sorted(zip(level.dims, level.plates, strict=True))  # the layout of nested_features
+            for axis, (_, p) in enumerate(ordered):
+                model_idx = calls[p].indices
+                if model_idx.shape != indices[p].shape or not torch.equal(model_idx, indices[p].to(model_idx.device)):
+                    pos = indices[p].to(rows.device)
+                    rows = rows.index_select(axis, pos)
+                    mask = None if mask is None else mask.index_select(axis, pos)
+            yield k, rows, None, mask
+
+    def _level_shape(self, level: PlateLevel, indices: dict[str, torch.Tensor]) -> list[int]:
+        """The level's batch shape with each plate at the size of this call's subsample."""
         shape = list(level.batch_shape)
         for p, dim in zip(level.plates, level.dims, strict=True):
             shape[len(shape) + dim] = indices[p].shape[0]
-        return out.reshape((*shape, out.shape[-1]))
+        return shape
+
+    def _encode(self, name, args, kwargs, calls, observations, indices, local_data) -> tuple:
+        """The level's ``(loc, weight, scale)`` for the groups of this call (see :meth:`_level_params`)."""
+        level = self._levels[name]
+        inputs = self._source_inputs(name, args, kwargs, calls, observations, indices, local_data)
+        if self.form == "natural":
+            return self._decode_natural(level, *self._natural_statistics(level, inputs, indices))
+        nets = self.nets[_key(name)]
+        pooled = []
+        for k, rows, segment, mask in inputs:
+            e = nets["features"][str(k)](rows)
+            if segment is not None:
+                num = indices[self._sources[name][k].name].shape[0]
+                pooled.append(segment_pool(with_square(e), segment, num, self.pool))
+                count = torch.bincount(segment, minlength=num).to(e.dtype)
+            else:
+                pooled.append(masked_pool(e, mask, dim=-2, how=self.pool))
+                if mask is None:
+                    count = rows.new_full(rows.shape[:-2], rows.shape[-2])
+                else:
+                    count = mask.to(e.dtype).sum(-1).expand(rows.shape[:-2])
+            pooled.append(torch.log1p(count).unsqueeze(-1))
+        out = nets["params"](torch.cat(pooled, dim=-1))
+        return self._decode(level, out.reshape((*self._level_shape(level, indices), out.shape[-1])))
+
+    def _natural_statistics(self, level: PlateLevel, inputs: Iterator[tuple], indices) -> tuple:
+        r"""Sums over each group's observations of ``L_j L_jᵀ`` and ``L_j t_j`` (diagonal: ``l_j²`` and
+        ``l_j t_j``), from every data source, in the level's (subsampled) batch shape."""
+        d, r = level.numel, self._rank(level)
+        nets = self.nets[_key(level.name)]["observations"]
+        diagonal = self._is_diagonal(level)
+        precision = shift = None
+        for k, rows, segment, mask in inputs:
+            out = nets[str(k)](rows)
+            if diagonal:
+                factor, target = out[..., :d], out[..., d:]
+                prec, eta = factor * factor, factor * target
+            else:
+                factor = out[..., : d * r].reshape((*out.shape[:-1], d, r))
+                target = out[..., d * r :]
+            if segment is not None:  # ragged rows: segment sums
+                num = indices[self._sources[level.name][k].name].shape[0]
+                if not diagonal:
+                    prec = (factor @ factor.mT).reshape(-1, d * d)
+                    eta = (factor @ target.unsqueeze(-1)).squeeze(-1)
+                prec = segment_pool(prec, segment, num, "sum")
+                eta = segment_pool(eta, segment, num, "sum")
+            else:  # nested rows (groups…, members, …): masked sums over the members
+                if mask is not None:
+                    m = mask.to(out.dtype)
+                    factor = factor * (m.unsqueeze(-1) if diagonal else m.unsqueeze(-1).unsqueeze(-1))
+                if diagonal:
+                    prec, eta = (factor * factor).sum(-2), (factor * target).sum(-2)
+                else:
+                    flat = factor.transpose(-3, -2).reshape((*factor.shape[:-3], d, -1))  # (…, d, members·r)
+                    prec = (flat @ flat.mT).reshape((*flat.shape[:-2], d * d))
+                    eta = (flat @ target.reshape((*target.shape[:-2], -1, 1))).squeeze(-1)
+            precision = prec if precision is None else precision + prec
+            shift = eta if shift is None else shift + eta
+        shape = self._level_shape(level, indices)
+        precision = precision.reshape((*shape, d) if diagonal else (*shape, d, d))
+        return precision, shift.reshape((*shape, d))
+
+    def _decode_natural(self, level: PlateLevel, precision: torch.Tensor, shift: torch.Tensor) -> tuple:
+        r"""``(loc, weight, scale)`` of :math:`\mathcal N(\Lambda^{-1}(\eta + C u_{anc}), \Lambda^{-1})` with
+        :math:`\Lambda = \Lambda_0 + \text{precision}`, :math:`\eta = \eta_0 + \text{shift}`, in the branch
+        guide's internal form (``weight`` multiplies the standardised ancestor deviation)."""
+        key = _key(level.name)
+        eta = getattr(self.natural, f"{key}_shift") + shift
+        if self._is_diagonal(level):
+            prec = prox_positive(getattr(self.natural, f"{key}_precision_sd")) ** 2 + precision
+            scale = prec.rsqrt()
+            return eta / prec, None, scale
+        root = scale_tril_from_raw(getattr(self.natural, f"{key}_precision_tril"))
+        prior_precision = root @ root.mT
+        scale = _precision_to_scale_tril(prior_precision + precision)
+        weight = None
+        if self._is_conditional(level):
+            anc_loc, anc_scale = self._ancestor_params(level)
+            coupling = prior_precision @ getattr(self.natural, f"{key}_coupling")  # Λ₀ B
+            eta = eta + (coupling @ anc_loc.unsqueeze(-1)).squeeze(-1)
+            weight = scale @ (scale.mT @ (coupling * anc_scale.unsqueeze(-2)))
+        loc = (scale @ (scale.mT @ eta.unsqueeze(-1))).squeeze(-1)
+        return loc, weight, scale
 
     def _decode(self, level: PlateLevel, out: torch.Tensor) -> tuple:
         d = level.numel
@@ -457,8 +660,10 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         super().set_conditional(level, **kwargs)
 
     def optim_args(self, *, lr: float, network_lr: float, **common) -> Callable[[str], dict]:
-        """Per-parameter options for a Pyro optimiser: the networks usually want a smaller step than the free
-        parameters of the globals (Adam: about 1e-3 against 1e-2).
+        """Per-parameter options for a Pyro optimiser: the paper form's networks usually want a smaller step than
+        the free parameters of the globals (Adam: about 1e-3 against 1e-2). The natural form's small observation map
+        trained best in our measurements with one learning rate for everything (ClippedAdam 0.03–0.05, decaying
+        tenfold over the run), so a plain optimiser is enough there.
 
         Example::
 
@@ -493,3 +698,43 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
 
 def _key(level_name: str) -> str:
     return level_name.replace(".", "_")
+
+
+class _ObservationNet(nn.Module):
+    """One observation's Gaussian potential: ``x ↦ (L(x), t(x))`` as a linear map plus a leaky-ReLU MLP.
+
+    The linear part lets the family contain the exact conditional of a linear-Gaussian model (``L_j = x_j``,
+    ``t_j = y_j``) whatever the MLP does; the MLP (last layer std 0.001, so it starts near zero) adds non-linear
+    corrections. The linear part's factor rows start from a truncated normal with std ``sqrt(1/fan_in)`` — at
+    ``L = 0`` the precision ``Σ L Lᵀ`` would have zero gradient — and its pseudo-targets at zero. A learned
+    log-scale per rank column multiplies that column of ``L`` and its target together: the mean
+    ``Λ⁻¹ Σ L t`` barely changes along that direction while the precision does, a valley that a per-coordinate
+    optimiser crosses slowly when it must move many weights in step (measured: 0.98 → 0.84 nats at 800 steps)."""
+
+    def __init__(self, in_features: int, hidden: tuple[int, ...], factor_size: int, target_size: int) -> None:
+        super().__init__()
+        out = factor_size + target_size
+        self.linear = nn.Linear(in_features, out)
+        with torch.no_grad():
+            std = math.sqrt(1.0 / in_features)
+            nn.init.trunc_normal_(self.linear.weight, std=std, a=-2 * std, b=2 * std)
+            self.linear.weight[factor_size:].zero_()
+            self.linear.bias.zero_()
+        self.mlp = MLP(in_features, list(hidden), out, last_layer_std=1e-3) if hidden else None
+        self.factor_size, self.target_size = factor_size, target_size
+        self.log_scale = nn.Parameter(torch.zeros(target_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.linear(x)
+        out = out if self.mlp is None else out + self.mlp(x)
+        scale = self.log_scale.exp()
+        factor_scale = scale.repeat(self.factor_size // self.target_size)
+        return out * torch.cat([factor_scale, scale])
+
+
+def _precision_to_scale_tril(precision: torch.Tensor) -> torch.Tensor:
+    """Lower Cholesky factor of ``precision⁻¹`` from one Cholesky and one triangular solve: with ``J`` the reversal
+    permutation and ``J Λ J = R Rᵀ``, ``Λ⁻¹ = (J R⁻ᵀ J)(J R⁻ᵀ J)ᵀ`` and ``J R⁻ᵀ J`` is lower triangular."""
+    flipped = torch.linalg.cholesky(precision.flip(-2, -1))
+    eye = torch.eye(precision.shape[-1], dtype=precision.dtype, device=precision.device)
+    return torch.linalg.solve_triangular(flipped.mT, eye, upper=True).flip(-2, -1)
