@@ -110,6 +110,8 @@ class FactorGraph:
     dim_to_symbol: dict[int, str]
     #: the guide's sites in particle layout: ``{name: (value (K, *plates, *event), plates, random)}``
     guide_sites: dict[str, tuple[torch.Tensor, tuple[Plate, ...], bool]] = field(default_factory=dict)
+    #: the dtype of the model's log densities (the factors may be contracted in another, see MPImportance)
+    model_dtype: torch.dtype | None = None
 
     @property
     def dtype(self) -> torch.dtype:
