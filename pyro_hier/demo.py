@@ -281,9 +281,11 @@ def run_demo(
                     skipped.append(f"{label} · {name}: not applicable: {e}")
                     continue
             results.append(_evaluate(label, problem, name, guide, losses, seconds))
-            if best is None or results[-1].elbo > best[1].elbo:
-                best = (guide, results[-1])
-        evidence_lines.append(_mp_importance_line(label, problem, *best))
+            if best is None or results[-1].elbo > best[0].elbo:
+                # now, not after the loop: guides of one class share names in Pyro's param store, so a later fit
+                # of the same class would overwrite this guide's parameters
+                best = (results[-1], _mp_importance_line(label, problem, guide, results[-1]))
+        evidence_lines.append(best[1])
     print(format_table(results))
     print("\n".join(evidence_lines + skipped))
     plot_traces(results, out)

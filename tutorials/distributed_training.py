@@ -231,6 +231,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
     tdist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         train(rank, world_size, args)
+        tdist.barrier()  # leave together: a rank tearing down gloo while another still talks can abort the other
     finally:
         tdist.destroy_process_group()
 
@@ -247,6 +248,7 @@ def main(argv: list[str] | None = None) -> None:
         tdist.init_process_group("gloo")
         try:
             train(tdist.get_rank(), tdist.get_world_size(), args)
+            tdist.barrier()  # leave together (see worker)
         finally:
             tdist.destroy_process_group()
         return
