@@ -453,6 +453,20 @@ def test_float32_matches_float64():
     assert torch.allclose(mp.marginal_weights("z").double(), wz, atol=1e-5)
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_results_follow_the_models_device_and_dtype(device):
+    """Everything MPImportance returns lives on the model's device, in the model's dtype (it contracts in float64)."""
+    p = gaussian_random_effects(num_groups=4, num_obs=3, dim=2, seed=1, dtype=torch.float32, device=device)
+    mp = MPImportance(p.model, num_samples=16, max_plate_nesting=2).run(*p.args)
+    for value in (mp.get_log_normalizer(), mp.moments("theta"), mp.marginal_weights("theta"), mp.get_ESS("mu")):
+        assert value.device.type == device and value.dtype == torch.float32
+    samples = mp.sample_posterior(5)
+    assert all(v.device.type == device for v in samples.values())
+
+
 def test_float32_problem():
     p = gaussian_random_effects(num_groups=6, num_obs=4, dim=2, seed=1, dtype=torch.float32)
     mp = MPImportance(p.model, num_samples=400, max_plate_nesting=2).run(*p.args)
