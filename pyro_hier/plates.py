@@ -23,7 +23,15 @@ from pyro.poutine.subsample_messenger import _Subsample
 
 from pyro_hier.errors import StructureError
 
-__all__ = ["PlateCall", "capture_plates", "check_plate_sizes", "draw_subsamples", "open_plates"]
+__all__ = [
+    "GatheredRows",
+    "PlateCall",
+    "capture_plates",
+    "check_plate_sizes",
+    "draw_subsamples",
+    "gathered_rows",
+    "open_plates",
+]
 
 
 @dataclass(frozen=True)
@@ -191,3 +199,43 @@ def draw_subsamples(
         idx = torch.randperm(n, generator=generator)[:k].sort().values
         out[name] = idx.to(device) if device is not None else idx
     return out
+
+
+@dataclass(frozen=True)
+class GatheredRows:
+    """The rows of a flat plate that belong to a minibatch of groups (see :func:`gathered_rows`).
+
+    :ivar rows: indices of the rows kept (``None``: all rows, no subsample).
+    :ivar group: each kept row's group as a position in the minibatch (the group index itself without subsample),
+        for gathering ``z[..., group]`` from group effects sampled under the subsampled group plate.
+    :ivar scale: the factor to put on the rows' plate (``poutine.scale``) so that the minibatch estimate is
+        unbiased: the rows' plate scales by ``num_rows / len(rows)``, the groups need ``num_groups / len(subsample)``.
+    """
+
+    rows: torch.Tensor | None
+    group: torch.Tensor
+    scale: float
+
+
+def gathered_rows(group: torch.Tensor, num_groups: int, subsample: torch.Tensor | None) -> GatheredRows:
+    """Minibatch a flat plate of rows that index group effects with ``z[group]`` (homes in counties, ratings by
+    users): keep the rows of the groups in ``subsample``.
+
+    Example::
+
+        with pyro.plate("counties", C, subsample=idx):
+            a = pyro.sample("a", dist.Normal(0, 1))
+        sel = gathered_rows(county, C, idx)
+        with pyro.plate("homes", len(county), subsample=sel.rows), poutine.scale(scale=sel.scale):
+            pyro.sample("y", dist.Normal(a[..., sel.group], 1), obs=y if sel.rows is None else y[sel.rows])
+    """
+    if subsample is None:
+        return GatheredRows(None, group, 1.0)
+    subsample = subsample.to(device=group.device, dtype=torch.long)
+    if torch.unique(subsample).numel() != subsample.numel():
+        raise ValueError(f"subsample must hold distinct group indices, got {subsample.tolist()}")
+    rows = torch.isin(group, subsample).nonzero().squeeze(-1)
+    position = torch.full((num_groups,), -1, dtype=torch.long, device=group.device)
+    position[subsample] = torch.arange(subsample.numel(), device=group.device)
+    scale = (num_groups / subsample.numel()) * (rows.numel() / group.numel())
+    return GatheredRows(rows, position[group[rows]], scale)

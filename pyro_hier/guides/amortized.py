@@ -344,22 +344,10 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
                     "an observation_net module can serve a single data source of a single local level; this model "
                     "has several (observed sites or local levels): pass hidden layer sizes instead"
                 )
-            spec = spec.to(dtype=init.dtype, device=init.device)
-            try:
-                with torch.no_grad():
-                    got = spec(torch.zeros(1, in_features, dtype=init.dtype, device=init.device)).shape[-1]
-            except RuntimeError as e:
-                raise StructureError(
-                    f"observation_net must take {in_features} features per observation and return {level_outputs} "
-                    f"(L_j: {d} × rank {rank}, then t_j: rank; diagonal: l_j then t_j, {d} each); calling it "
-                    f"failed: {e}"
-                ) from e
-            if got != level_outputs:
-                raise StructureError(
-                    f"observation_net maps {in_features} features to {got} outputs; the level needs {level_outputs} "
-                    f"(L_j: {d} × rank {rank}, then t_j: rank; diagonal: l_j then t_j, {d} each)"
-                )
-            return spec
+            outputs = f"{level_outputs} (L_j: {d} × rank {rank}, then t_j: rank; diagonal: l_j then t_j, {d} each)"
+            return _checked_module(
+                spec, "observation_net", in_features, "features per observation", "features", outputs, init
+            )
         width = d if self.covariance == "diagonal" else d * rank
         return _ObservationNet(in_features, tuple(spec), width, level_outputs - width).to(
             dtype=init.dtype, device=init.device
@@ -381,20 +369,8 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         if isinstance(spec, nn.Module):
             if len(self.amortized_levels) != 1:
                 raise StructureError("a param_net module can serve a single local level: pass layer sizes instead")
-            spec = spec.to(dtype=init.dtype, device=init.device)
-            try:
-                with torch.no_grad():
-                    got = spec(torch.zeros(1, in_features, dtype=init.dtype, device=init.device)).shape[-1]
-            except RuntimeError as e:
-                raise StructureError(
-                    f"param_net must take {in_features} pooled features (2 × embedding size per data source, plus "
-                    f"one group-size feature each) and return {out_features}; calling it failed: {e}"
-                ) from e
-            if got != out_features:
-                raise StructureError(
-                    f"param_net maps {in_features} pooled features to {got} outputs; the level needs {out_features}"
-                )
-            return spec
+            inputs = "pooled features (2 × embedding size per data source, plus one group-size feature each)"
+            return _checked_module(spec, "param_net", in_features, inputs, "pooled features", str(out_features), init)
         net = MLP(in_features, list(spec), out_features, last_layer_std=1e-3).to(dtype=init.dtype, device=init.device)
         with torch.no_grad():  # every group starts at the mean initial location with sds init_scale
             bias = net[-1].bias
@@ -738,3 +714,23 @@ def _precision_to_scale_tril(precision: torch.Tensor) -> torch.Tensor:
     flipped = torch.linalg.cholesky(precision.flip(-2, -1))
     eye = torch.eye(precision.shape[-1], dtype=precision.dtype, device=precision.device)
     return torch.linalg.solve_triangular(flipped.mT, eye, upper=True).flip(-2, -1)
+
+
+def _checked_module(
+    module: nn.Module, name: str, in_features: int, inputs: str, short: str, outputs: str, like: torch.Tensor
+) -> nn.Module:
+    """A user's network, moved to ``like``'s dtype and device, after checking on a dummy input that it takes
+    ``in_features`` inputs (described by ``inputs``, or ``short``) and returns ``outputs`` (a count, optionally
+    followed by what they are)."""
+    module = module.to(dtype=like.dtype, device=like.device)
+    expected = int(outputs.split()[0])
+    try:
+        with torch.no_grad():
+            got = module(torch.zeros(1, in_features, dtype=like.dtype, device=like.device)).shape[-1]
+    except RuntimeError as e:
+        raise StructureError(
+            f"{name} must take {in_features} {inputs} and return {outputs}; calling it failed: {e}"
+        ) from e
+    if got != expected:
+        raise StructureError(f"{name} maps {in_features} {short} to {got} outputs; the level needs {outputs}")
+    return module

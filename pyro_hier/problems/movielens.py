@@ -42,6 +42,7 @@ from pyro import poutine
 
 from pyro_hier.datasets import load_rdataset
 from pyro_hier.local_data import GroupedData
+from pyro_hier.plates import gathered_rows
 from pyro_hier.problems.base import Problem
 
 __all__ = [
@@ -103,22 +104,10 @@ def movielens_model(
     with pyro.plate("users", num_users, dim=-1, subsample=subsample):
         z = pyro.sample("z", dist.Normal(mu, sigma).to_event(1))
 
-    if subsample is None:
-        rows = None
-        local_user = user
-        correction = 1.0
-    else:
-        subsample = subsample.to(device=user.device, dtype=torch.long)
-        if torch.unique(subsample).numel() != subsample.numel():
-            raise ValueError("movielens_model: subsample must hold distinct user indices")
-        rows = torch.isin(user, subsample).nonzero().squeeze(-1)
-        position = torch.full((num_users,), -1, dtype=torch.long, device=user.device)
-        position[subsample] = torch.arange(subsample.numel(), device=user.device)
-        local_user = position[user[rows]]
-        # the ratings plate scales by M / len(rows); the unbiased weight is U / len(subsample)
-        if rows.numel() == 0:  # users without ratings: nothing to score
-            return features.new_zeros((0,))
-        correction = (num_users / subsample.numel()) * (rows.numel() / num_ratings)
+    sel = gathered_rows(user, num_users, subsample)
+    rows, local_user, correction = sel.rows, sel.group, sel.scale
+    if rows is not None and rows.numel() == 0:  # users without ratings: nothing to score
+        return features.new_zeros((0,))
 
     x = features if rows is None else features[rows]
     logits = (x * z[..., local_user, :]).sum(-1)

@@ -38,6 +38,7 @@ from pyro import poutine
 
 from pyro_hier.datasets import load_radon_mn, reference_moments
 from pyro_hier.local_data import GroupedData
+from pyro_hier.plates import gathered_rows
 from pyro_hier.problems.base import Moments, Problem
 
 __all__ = ["RADON_SITE_SHAPES", "radon_mn"]
@@ -87,20 +88,8 @@ def _make_model(prior: str, num_counties: int) -> Callable:
         with pyro.plate("counties", num_counties, dim=-1, subsample=subsample):
             county_effect = pyro.sample("county_effect", dist.Normal(county_effect_mean, county_effect_scale))
 
-        if subsample is None:
-            homes = None
-            local_county = county
-            correction = 1.0
-        else:
-            subsample = subsample.to(device=county.device, dtype=torch.long)
-            if torch.unique(subsample).numel() != subsample.numel():
-                raise ValueError("subsample must hold distinct county indices")
-            homes = torch.isin(county, subsample).nonzero().squeeze(-1)
-            position = torch.full((num_counties,), -1, dtype=torch.long, device=county.device)
-            position[subsample] = torch.arange(subsample.numel(), device=county.device)
-            local_county = position[county[homes]]
-            # The homes plate scales by num_homes / len(homes); the unbiased weight is num_counties / len(subsample).
-            correction = (num_counties / subsample.numel()) * (homes.numel() / num_homes)
+        sel = gathered_rows(county, num_counties, subsample)
+        homes, local_county, correction = sel.rows, sel.group, sel.scale
 
         def select(x: torch.Tensor) -> torch.Tensor:
             return x if homes is None else x[..., homes]
