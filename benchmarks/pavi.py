@@ -50,8 +50,12 @@ def _autonormal(p, n: int) -> Callable:
 
 GUIDES: dict[str, Callable] = {
     "AutoNormal": _autonormal,
-    "PAVI-F": lambda p, n: AutoPlateAmortizedFlow(p.model, encoder="free", encoding_size=8),
-    "PAVI-E": lambda p, n: AutoPlateAmortizedFlow(p.model, encoder="deepset", encoding_size=8),
+    "PAVI-F": lambda p, n: AutoPlateAmortizedFlow(
+        p.model, encoder="free", encoding_size=8, condition_on_ancestors=True
+    ),
+    "PAVI-E": lambda p, n: AutoPlateAmortizedFlow(
+        p.model, encoder="deepset", encoding_size=8, condition_on_ancestors=True
+    ),
 }
 #: learning rates (AutoNormal's per-group parameters move only when their group is drawn: a larger step)
 LR = {"AutoNormal": 0.05, "PAVI-F": 0.03, "PAVI-E": 0.03}

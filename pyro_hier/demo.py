@@ -278,7 +278,8 @@ def run_demo(
                         progress=progress,
                     )
                 except StructureError as e:  # the model lacks what this guide needs (e.g. nested observations)
-                    skipped.append(f"{label} · {name}: not applicable: {e}")
+                    # (Pyro appends the trace's shapes to errors raised under a trace: keep the message itself)
+                    skipped.append(f"{label} · {name}: not applicable: {str(e).splitlines()[0]}")
                     continue
             results.append(_evaluate(label, problem, name, guide, losses, seconds))
             if best is None or results[-1].elbo > best[0].elbo:

@@ -92,7 +92,11 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         :class:`~pyro.distributions.conditional.ConditionalTransformModule`.
     :param flow_hidden: hidden layers of the flows' networks.
     :param encoder_hidden: hidden layers of the deep-set networks (``encoder="deepset"``).
-    :param condition_on_ancestors: include the plate ancestors' values in each flow's context (see above).
+    :param condition_on_ancestors: include the earlier sites' base samples in each flow's context (see above).
+        Default ``False``, PAVI's own form: with them the family contains the exact posterior of linear-Gaussian
+        hierarchies (GRE: 0.006 nats from the exact evidence, against a floor of about 0.02 nats per group and
+        dimension without), but on radon the sharply determined noise scale then shrank so slowly that after 1,500
+        steps its q was 500× too wide (without them: within 0.06 reference sd).
     :param local_features: covariates of the observed sites for ``encoder="deepset"``: ``(*args, **kwargs) ->`` a
         tensor (one observed site) or ``{site: tensor}``, batch dims as the site's (subsampled plates at full size
         are sliced), then features; each element's input is its observed value followed by its covariates.
@@ -115,7 +119,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         flow: str | Callable[[int, int], ConditionalTransformModule] = "affine+maf",
         flow_hidden: Sequence[int] = (32, 32),
         encoder_hidden: Sequence[int] = (32,),
-        condition_on_ancestors: bool = True,
+        condition_on_ancestors: bool = False,
         local_features: Callable | None = None,
         stick_the_landing: bool = False,
         init_loc_fn: Callable = init_to_feasible,
