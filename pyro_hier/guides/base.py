@@ -20,7 +20,7 @@ from pyro_hier.errors import StructureError
 from pyro_hier.plates import PlateCall, capture_plates, check_plate_sizes, open_plates
 from pyro_hier.structure import LatentSite, ModelStructure, PlateLevel, inspect_model
 
-__all__ = ["HierarchicalGuide"]
+__all__ = ["HierarchicalGuide", "empirical_quantiles"]
 
 
 class HierarchicalGuide(AutoGuide):
@@ -224,3 +224,21 @@ def _strip_trailing_ones(shape: Iterable[int], n: int) -> torch.Size:
     if any(s != 1 for s in shape[len(shape) - k :]):
         raise RuntimeError(f"internal error: expected trailing singleton dims in {shape}")
     return torch.Size(shape[: len(shape) - k])
+
+
+def empirical_quantiles(v: torch.Tensor, quantiles, *, discrete: bool = False) -> torch.Tensor:
+    """Quantiles over dim 0 of draws ``v`` (the summaries of guides that are not Gaussian): linear interpolation
+    between order statistics, or the lower order statistic for discrete values (which stay in the support).
+    ``torch.quantile`` is not used: it refuses inputs of more than 16 million numbers."""
+    n = v.shape[0]
+    q = torch.as_tensor(quantiles, dtype=torch.float64).reshape(-1)
+    if ((q < 0) | (q > 1)).any():
+        raise ValueError(f"quantiles must lie in [0, 1], got {quantiles}")
+    ordered = v.sort(0).values
+    pos = q * (n - 1)
+    lo = pos.floor().long()
+    if discrete:
+        return ordered[lo.to(v.device)]
+    hi = pos.ceil().long()
+    frac = (pos - lo).to(dtype=v.dtype, device=v.device).reshape((-1,) + (1,) * (v.dim() - 1))
+    return ordered[lo.to(v.device)] * (1 - frac) + ordered[hi.to(v.device)] * frac

@@ -52,7 +52,7 @@ from torch import nn
 from torch.distributions import constraints, register_kl
 
 from pyro_hier.errors import StructureError
-from pyro_hier.guides.base import HierarchicalGuide, _strip_trailing_ones
+from pyro_hier.guides.base import HierarchicalGuide, _strip_trailing_ones, empirical_quantiles
 from pyro_hier.guides.branch import _concat_broadcast
 from pyro_hier.plates import enter_plates
 from pyro_hier.structure import LatentSite, ModelStructure
@@ -836,7 +836,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
         out = {}
         for name, v in draws.items():
             site = self.structure.latent[name]
-            value = _empirical_quantiles(v, quantiles, discrete=site.discrete)
+            value = empirical_quantiles(v, quantiles, discrete=site.discrete)
             out[name] = value if site.discrete else self._constrain(name, value)
         return out
 
@@ -893,23 +893,6 @@ class AutoHierarchicalVM(HierarchicalGuide):
             term = per_coord.sum(-1)  # (K, n)
             total = term if total is None else total + term
         return torch.logsumexp(log_pi.unsqueeze(-1) + total, 0)
-
-
-def _empirical_quantiles(v: torch.Tensor, quantiles, *, discrete: bool) -> torch.Tensor:
-    """Quantiles over dim 0 of draws ``v``: linear interpolation between order statistics, or the lower order
-    statistic for discrete values (which stay in the support)."""
-    n = v.shape[0]
-    q = torch.as_tensor(quantiles, dtype=torch.float64).reshape(-1)
-    if ((q < 0) | (q > 1)).any():
-        raise ValueError(f"quantiles must lie in [0, 1], got {quantiles}")
-    ordered = v.sort(0).values
-    pos = q * (n - 1)
-    lo = pos.floor().long()
-    if discrete:
-        return ordered[lo.to(v.device)]
-    hi = pos.ceil().long()
-    frac = (pos - lo).to(dtype=v.dtype, device=v.device).reshape((-1,) + (1,) * (v.dim() - 1))
-    return ordered[lo.to(v.device)] * (1 - frac) + ordered[hi.to(v.device)] * frac
 
 
 def _gauss_hermite(n: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

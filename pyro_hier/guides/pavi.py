@@ -20,7 +20,7 @@ from pyro_hier.distributions import StickingTheLanding
 from pyro_hier.encoders import DeepSetEncoder, FreeEncoding
 from pyro_hier.errors import StructureError
 from pyro_hier.flows import make_flow
-from pyro_hier.guides.base import HierarchicalGuide, _ContinuousInit
+from pyro_hier.guides.base import HierarchicalGuide, _ContinuousInit, empirical_quantiles
 from pyro_hier.local_data import call_local_features, capture_observations, observation_features
 from pyro_hier.plates import PlateRecorder
 from pyro_hier.structure import ModelStructure
@@ -356,7 +356,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         out = {}
         for name, draws in self._summary_draws(args, kwargs).items():
             to_support = biject_to(self.structure.latent[name].support)
-            out[name] = to_support(_quantiles(to_support.inv(draws), quantiles))
+            out[name] = to_support(empirical_quantiles(to_support.inv(draws), quantiles))
         return out
 
     def _summary_draws(self, args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
@@ -460,17 +460,3 @@ def _fit_batch(t: torch.Tensor, ndim: int) -> torch.Tensor:
     while t.dim() - 1 > ndim and t.shape[0] == 1:
         t = t[0]
     return t
-
-
-def _quantiles(x: torch.Tensor, q: Sequence[float] | torch.Tensor) -> torch.Tensor:
-    """Quantiles of ``x`` along dim 0 by linear interpolation between order statistics (``torch.quantile`` has a
-    size limit)."""
-    q = torch.as_tensor(q, dtype=x.dtype, device=x.device)
-    if ((q < 0) | (q > 1)).any():
-        raise ValueError(f"quantiles must lie in [0, 1], got {q.tolist()}")
-    s = x.sort(0).values
-    pos = q * (x.shape[0] - 1)
-    lo = pos.floor().long()
-    hi = pos.ceil().long()
-    frac = (pos - lo.to(x.dtype)).reshape((-1,) + (1,) * (x.dim() - 1))
-    return s[lo] * (1 - frac) + s[hi] * frac
