@@ -50,9 +50,10 @@ from pyro_hier import AutoAmortizedBranchGuide, AutoBranchGuide
 from pyro_hier.diagnostics import count_parameters, elbo_estimate
 from pyro_hier.problems.movielens import MovieLensProblem, heldout_log_likelihood, movielens
 
-#: "dense" / "block" / "diagonal": AutoBranchGuide(covariance=...); "amortized[-X]": AutoAmortizedBranchGuide with
-#: covariance X (default dense) and the paper's network sizes
-GUIDE_NAMES = ("AutoNormal", "dense", "block", "diagonal", "amortized", "amortized-diagonal")
+#: "dense" / "block" / "diagonal": AutoBranchGuide(covariance=...); "amortized[-diagonal]": AutoAmortizedBranchGuide
+#: (default natural form) with covariance dense or diagonal; "amortized-linear": dense, with the linear observation
+#: map alone (observation_net=())
+GUIDE_NAMES = ("AutoNormal", "dense", "block", "diagonal", "amortized", "amortized-diagonal", "amortized-linear")
 DEFAULT_GUIDES = ("AutoNormal", "dense", "diagonal", "amortized")
 
 
@@ -61,6 +62,8 @@ def make_guide(name: str, problem: MovieLensProblem) -> torch.nn.Module:
         return AutoNormal(problem.model, create_plates=problem.create_plates)
     if name in ("dense", "block", "diagonal"):
         return AutoBranchGuide(problem.model, covariance=name)
+    if name == "amortized-linear":
+        return AutoAmortizedBranchGuide(problem.model, local_data=problem.local_data, observation_net=())
     if name.startswith("amortized"):
         covariance = name.partition("-")[2] or "dense"
         return AutoAmortizedBranchGuide(problem.model, covariance=covariance, local_data=problem.local_data)
@@ -70,6 +73,8 @@ def make_guide(name: str, problem: MovieLensProblem) -> torch.nn.Module:
 def label(name: str) -> str:
     if name == "AutoNormal":
         return name
+    if name == "amortized-linear":
+        return "AutoAmortizedBranchGuide dense, linear map"
     if name.startswith("amortized"):
         return f"AutoAmortizedBranchGuide {name.partition('-')[2] or 'dense'}"
     return f"AutoBranchGuide {name}"

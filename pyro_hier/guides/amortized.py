@@ -91,9 +91,11 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
     observations from one of 3,000 with the same average. It is selected by ``form="paper"`` or by passing any of
     ``feature_net``, ``param_net``, ``pool``.
 
-    Measured on the synthetic regression (README.md, "Status of AutoAmortizedBranchGuide"): the natural form reaches
-    a held-out group's exact conditional to 0.016 nats (D = 2, 300 steps) and N = 1,000 (D = 10) to about 0.2
-    nats/group in 120 s, where the paper's form was at 134 nats/group.
+    Measured on the synthetic regression (D = 10, 100 observations per group; README.md, "Status of
+    AutoAmortizedBranchGuide"): the natural form with the linear map alone (``observation_net=()``) and
+    ``stick_the_landing=True`` is 0.017 nats/group from the exact evidence at N = 1,000 after 120 s and 0.018 at
+    N = 100,000 after 300 s (minibatches of 100 and 400 groups), where the paper's form was at 134 nats/group; a
+    held-out group's exact conditional is reached to 0.016 nats (D = 2, 300 steps).
 
     In both forms the globals keep free parameters, only the groups of the current minibatch are encoded (a step
     costs O(minibatch data); the parameter count is the same for 10³ or 10⁶ groups), and network inputs are
@@ -112,7 +114,10 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
 
     Example::
 
-        guide = AutoAmortizedBranchGuide(model, local_features=lambda x, y, subsample=None: x, stick_the_landing=True)
+        # linear-Gaussian observations: the linear observation map alone is exact
+        guide = AutoAmortizedBranchGuide(
+            model, local_features=lambda x, y, subsample=None: x, observation_net=(), stick_the_landing=True
+        )
         svi = SVI(model, guide, pyro.optim.ClippedAdam({"lr": 0.03, "lrd": 0.9995}), Trace_ELBO())
         for step in range(5000):
             svi.step(x, y, subsample=torch.randperm(N)[:400])
@@ -130,7 +135,9 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         spurious optima (a column cannot flip sign without passing through zero) and learned slowly in tests.
     :param observation_net: (natural) hidden sizes of the MLP added to the linear map (default ``(32,)``; ``()``
         for the linear map alone), or an ``nn.Module`` mapping ``(..., F)`` to ``(..., d·rank + rank)`` (``L``
-        row-major, then ``t``; diagonal: ``2d``), only with a single data source of a single local level.
+        row-major, then ``t``; diagonal: ``2d``), only with a single data source of a single local level. For
+        Gaussian observations whose mean is linear in the group's latents, ``()`` is exact and learns several
+        times faster (synthetic regression, N = 1,000, 120 s: 0.017 nats/group against 0.104 with the MLP).
     :param feature_net: (paper) hidden sizes of the feature network, the last being the embedding size (default
         ``(64, 64, 64, 128)``), or an ``nn.Module`` mapping ``(..., F)`` to ``(..., H)`` (single data source only).
     :param param_net: (paper) hidden sizes of the parameter network (default ``(256, 256, 256)``), or an
