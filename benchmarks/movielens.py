@@ -38,15 +38,14 @@ import math
 import platform
 import shlex
 import sys
-import time
 from dataclasses import asdict, dataclass
 
 import pyro
 import torch
-from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 
 from pyro_hier import AutoAmortizedBranchGuide, AutoBranchGuide
+from pyro_hier.demo import fit_guide
 from pyro_hier.diagnostics import count_parameters, elbo_estimate
 from pyro_hier.problems.movielens import MovieLensProblem, heldout_log_likelihood, movielens
 
@@ -97,53 +96,37 @@ class Result:
     final_loss_avg: float
 
 
-def set_lr(optim: pyro.optim.PyroOptim, factor: float) -> None:
-    """Scale every parameter's initial learning rate by ``factor`` (time-based decay)."""
-    for opt in optim.optim_objs.values():
-        for group in opt.param_groups:
-            group.setdefault("initial_lr", group["lr"])
-            group["lr"] = group["initial_lr"] * factor
-
-
 def train(problem: MovieLensProblem, name: str, opts) -> tuple[torch.nn.Module, int, float, list[float], int]:
-    pyro.clear_param_store()
-    pyro.set_rng_seed(opts.seed)
-    guide = make_guide(name, problem)
+    """Fit one guide for ``opts.seconds`` of optimisation-step time with :func:`pyro_hier.demo.fit_guide` (ClippedAdam,
+    the learning rate decaying geometrically in elapsed step time to ``opts.final_lr_ratio`` of its start)."""
     amortized = name.startswith("amortized")
     batch = opts.amortized_batch if amortized else opts.batch
     batch = problem.num_users if batch <= 0 else min(batch, problem.num_users)
     generator = torch.Generator().manual_seed(opts.seed)
 
-    def next_kwargs() -> dict:
-        if batch >= problem.num_users:
-            return problem.kwargs
-        users = torch.randperm(problem.num_users, generator=generator)[:batch].sort().values
-        return {**problem.kwargs, "subsample": users}
+    def users() -> torch.Tensor:
+        return torch.randperm(problem.num_users, generator=generator)[:batch].sort().values
 
-    guide(*problem.args, **next_kwargs())  # build the parameters (and the networks' input statistics)
-    common = {"clip_norm": opts.clip_norm}
-    if amortized:
-        optim = pyro.optim.ClippedAdam(guide.optim_args(lr=opts.lr, network_lr=opts.network_lr, **common))
-    else:
-        optim = pyro.optim.ClippedAdam({"lr": opts.lr, **common})
-    elbo = Trace_ELBO(num_particles=opts.particles, vectorize_particles=opts.particles > 1, max_plate_nesting=1)
-    svi = SVI(problem.model, guide, optim, elbo)
-    losses: list[float] = []
-    spent = 0.0
-    while spent < opts.seconds:
-        kwargs = next_kwargs()
-        start = time.perf_counter()
-        loss = svi.step(*problem.args, **kwargs)
-        spent += time.perf_counter() - start
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"{label(name)}: the loss became {loss} at step {len(losses)}")
-        losses.append(loss)
-        set_lr(optim, opts.final_lr_ratio ** min(1.0, spent / opts.seconds))
-        if len(losses) % 500 == 0:
-            recent = sum(losses[-500:]) / 500
-            print(
-                f"    {label(name)}: step {len(losses)}, {spent:.0f} s, mean loss of last 500 {recent:.1f}", flush=True
-            )
+    recent: list[float] = []
+
+    def progress(step: int, loss: float) -> None:
+        recent.append(loss)
+        if len(recent) == 500:
+            print(f"    {label(name)}: step {step + 1}, mean loss of last 500 {sum(recent) / 500:.1f}", flush=True)
+            recent.clear()
+
+    guide, losses, spent = fit_guide(
+        problem,
+        lambda p: make_guide(name, p),
+        seconds=opts.seconds,
+        lr=opts.lr,
+        final_lr_ratio=opts.final_lr_ratio,
+        num_particles=opts.particles,
+        seed=opts.seed,
+        network_lr=opts.network_lr if amortized else None,
+        subsample=None if batch >= problem.num_users else users,
+        progress=progress,
+    )
     return guide, len(losses), spent, losses, batch
 
 
@@ -209,7 +192,6 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.02)
     p.add_argument("--network-lr", type=float, default=1e-3)
     p.add_argument("--final-lr-ratio", type=float, default=0.05, help="lr at the end of the budget / initial lr")
-    p.add_argument("--clip-norm", type=float, default=10.0)
     p.add_argument("--particles", type=int, default=1)
     p.add_argument("--elbo-particles", type=int, default=1000)
     p.add_argument("--samples", type=int, default=1000, help="draws of z for the held-out log-likelihood")
