@@ -25,11 +25,20 @@ _SOFTPLUS_INV_1 = math.log(math.e - 1.0)
 
 
 class ConditionalAffine(ConditionalTransformModule):
-    r"""``x ↦ a(c) + s(c) ⊙ x`` with ``[a, s̃] = MLP(c) + W c`` and ``s = softplus(s̃ + log(e − 1))`` (1 at 0).
+    r"""``x ↦ a(c) + s(c) ⊙ x`` with ``[a, s̃] = MLP(c) / H + W c`` and ``s = softplus(s̃ + log(e − 1))`` (1 at 0),
+    ``H`` the width of the MLP's last hidden layer.
 
     The linear path ``W c`` lets the shift be an exact affine function of the context (a linear-Gaussian model's
     posterior mean is affine in the parents' values); the MLP adds what is not linear. The MLP's last layer and ``W``
     start at zero, so the transform starts as the identity.
+
+    The factor ``1 / H`` is the output multiplier of the maximal-update parameterisation for Adam (Yang & Hu 2021):
+    an Adam step moves every weight by about the learning rate whatever its gradient's size, so an output summing
+    ``H`` hidden units moved about ``H`` times the learning rate per step (times the units' size, which grows with
+    the context's). With the factor it moves about as far as a free parameter would. Without it, flows conditioned
+    on other sites' samples (contexts of order one and more) overshot in the first tens of steps: on radon
+    (Uniform(0, 100) scale priors, ``lr`` 0.01) the noise scale's q ended hundreds of times too wide, and on
+    Gaussian random effects (``lr`` 0.03) some group scales fell to 3e-7 within 20 steps.
 
     Example::
 
@@ -43,13 +52,14 @@ class ConditionalAffine(ConditionalTransformModule):
             raise ValueError(f"input_dim and context_dim must be positive, got {input_dim} and {context_dim}")
         self.input_dim = input_dim
         self.net = MLP(context_dim, hidden, 2 * input_dim)
+        self.output_multiplier = 1.0 / (hidden[-1] if len(hidden) else context_dim)
         self.linear = torch.nn.Linear(context_dim, 2 * input_dim, bias=False)
         with torch.no_grad():
             self.net[-1].weight.zero_()
             self.linear.weight.zero_()
 
     def condition(self, context: torch.Tensor) -> AffineTransform:
-        out = self.net(context) + self.linear(context)
+        out = self.output_multiplier * self.net(context) + self.linear(context)
         shift, raw_scale = out[..., : self.input_dim], out[..., self.input_dim :]
         # scales below softplus(-15) ≈ 3e-7 would make the inverse overflow (Pyro's affine flows clip too)
         scale = torch.nn.functional.softplus((raw_scale + _SOFTPLUS_INV_1).clamp(min=-15.0))

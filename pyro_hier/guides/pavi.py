@@ -93,10 +93,11 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
     :param flow_hidden: hidden layers of the flows' networks.
     :param encoder_hidden: hidden layers of the deep-set networks (``encoder="deepset"``).
     :param condition_on_ancestors: include the earlier sites' base samples in each flow's context (see above).
-        Default ``False``, PAVI's own form: with them the family contains the exact posterior of linear-Gaussian
-        hierarchies (GRE: 0.006 nats from the exact evidence, against a floor of about 0.02 nats per group and
-        dimension without), but on radon the sharply determined noise scale then shrank so slowly that after 1,500
-        steps its q was 500× too wide (without them: within 0.06 reference sd).
+        Default ``False``, PAVI's own form. With them the family contains the exact posterior of linear-Gaussian
+        hierarchies (GRE, 20 groups: 0.05 nats from the exact evidence after 1,500 steps, against a floor of about
+        0.02 nats per group and dimension without). They used to diverge on radon (the noise scale's q 500× too
+        wide after 1,500 steps), which the networks' output multiplier fixed (see
+        :class:`~pyro_hier.flows.ConditionalAffine`): benchmarks/pavi_radon.py measures both forms.
     :param local_features: covariates of the observed sites for ``encoder="deepset"``: ``(*args, **kwargs) ->`` a
         tensor (one observed site) or ``{site: tensor}``, batch dims as the site's (subsampled plates at full size
         are sliced), then features; each element's input is its observed value followed by its covariates.

@@ -32,10 +32,10 @@ def fit(problem, guide, steps, *, lr=0.03, particles=4, subsample=None, seed=0):
 
 
 # ---- accuracy against exact answers -----------------------------------------------------------------------------
-@pytest.mark.parametrize("encoder, lr", [("free", 0.03), ("deepset", 0.02)])
+@pytest.mark.parametrize("encoder, lr", [("free", 0.03), ("deepset", 0.05)])
 def test_gre_elbo_within_half_a_nat_of_the_exact_evidence(encoder, lr):
-    """GRE's posterior lies in the family, so sticking the landing reaches it (measured: gaps 0.10 and 0.22 nats
-    after these 1,500 steps; 0.006 for "free" after 3,000)."""
+    """GRE's posterior lies in the family, so sticking the landing reaches it (measured: gaps 0.05 and 0.07 nats
+    after these 1,500 steps)."""
     p = gaussian_random_effects(num_groups=20, num_obs=50, dim=2)
     guide = AutoPlateAmortizedFlow(
         p.model, encoder=encoder, encoding_size=8, flow="affine", condition_on_ancestors=True, stick_the_landing=True
@@ -261,3 +261,23 @@ def test_user_flow():
     guide = AutoPlateAmortizedFlow(p.model, flow=lambda i, c: dist.transforms.conditional_spline(i, c, [8]))
     svi = SVI(p.model, guide, pyro.optim.Adam({"lr": 0.01}), Trace_ELBO())
     assert math.isfinite(svi.step(*p.args))
+
+
+def test_affine_flow_output_moves_about_the_learning_rate_whatever_the_width():
+    """One Adam step (each weight moves by the learning rate) changes the flow's shift and scale by an amount that
+    does not grow with the networks' width (the ``1 / H`` output multiplier): without it the change grew like the
+    width (16x from 16 to 256 hidden units), which made ancestor-conditioned flows diverge on radon."""
+    from pyro_hier.flows import ConditionalAffine
+
+    torch.manual_seed(0)
+    context = 2.0 * torch.randn(64, 5)
+    x = torch.randn(64, 1)
+    moves = {}
+    for width in (16, 256):
+        flow = ConditionalAffine(1, 5, hidden=(width, width))
+        before = flow.condition(context)(x).detach()
+        optim = torch.optim.Adam(flow.parameters(), lr=0.01)
+        flow.condition(context)(x).sum().backward()
+        optim.step()
+        moves[width] = float((flow.condition(context)(x).detach() - before).abs().mean())
+    assert 0 < moves[256] < 2 * moves[16], moves
