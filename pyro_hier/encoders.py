@@ -22,7 +22,7 @@ from torch import nn
 
 from pyro_hier.errors import StructureError
 from pyro_hier.local_data import Observation, observation_features
-from pyro_hier.nn import MLP, Standardize
+from pyro_hier.nn import MLP, Standardize, readout_multiplier
 from pyro_hier.plates import PlateCall
 from pyro_hier.structure import ModelStructure, PlateLevel
 
@@ -100,7 +100,7 @@ class DeepSetEncoder(nn.Module):
     ) -> None:
         super().__init__()
         self.size = size
-        self.output_multiplier = 1.0 / (hidden[-1] if len(hidden) else size)
+        self.output_multiplier = readout_multiplier(hidden, size)
         self.plate_dims = {name: p.dim for name, p in structure.plates.items()}
         self.paths: dict[str, list[tuple[str, tuple[str, ...]]]] = {}  # level → [(observed site, plates to pool)]
         self.embed = nn.ModuleDict()

@@ -17,7 +17,7 @@ from pyro.distributions.conditional import ConditionalComposeTransformModule, Co
 from pyro.distributions.transforms import conditional_affine_autoregressive
 from torch.distributions.transforms import AffineTransform
 
-from pyro_hier.nn import MLP
+from pyro_hier.nn import MLP, readout_multiplier
 
 __all__ = ["FLOWS", "ConditionalAffine", "make_flow"]
 
@@ -52,7 +52,7 @@ class ConditionalAffine(ConditionalTransformModule):
             raise ValueError(f"input_dim and context_dim must be positive, got {input_dim} and {context_dim}")
         self.input_dim = input_dim
         self.net = MLP(context_dim, hidden, 2 * input_dim)
-        self.output_multiplier = 1.0 / (hidden[-1] if len(hidden) else context_dim)
+        self.output_multiplier = readout_multiplier(hidden, context_dim)
         self.linear = torch.nn.Linear(context_dim, 2 * input_dim, bias=False)
         with torch.no_grad():
             self.net[-1].weight.zero_()

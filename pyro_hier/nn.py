@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-__all__ = ["MLP", "Standardize", "masked_pool", "pool_with_square", "segment_pool", "with_square"]
+__all__ = ["MLP", "Standardize", "masked_pool", "pool_with_square", "readout_multiplier", "segment_pool", "with_square"]
 
 
 class MLP(nn.Sequential):
@@ -51,6 +51,23 @@ class MLP(nn.Sequential):
                 layers.append(nn.LeakyReLU(negative_slope))
         super().__init__(*layers)
         self.in_features, self.out_features = in_features, out_features
+
+
+def readout_multiplier(hidden: Sequence[int], in_features: int) -> float:
+    r"""``1 / H`` with ``H`` the width feeding an MLP's last layer (``hidden[-1]``, or ``in_features`` without hidden
+    layers): the output multiplier of the maximal-update parameterisation for Adam (Yang & Hu 2021, *Feature
+    Learning in Infinite-Width Neural Networks*).
+
+    An Adam step moves every weight by about the learning rate whatever its gradient, so an output summing ``H``
+    units moves about ``H`` times as far per step as a free parameter; multiplying the output by ``1 / H`` restores
+    a free parameter's step. Used by the flows' conditioners and the deep-set readout.
+
+    Example::
+
+        net = MLP(5, [32], 4)
+        out = readout_multiplier([32], 5) * net(x)   # moves about lr per Adam step
+    """
+    return 1.0 / (hidden[-1] if len(hidden) else in_features)
 
 
 def segment_pool(values: torch.Tensor, segments: torch.Tensor, num_segments: int, how: str = "mean") -> torch.Tensor:

@@ -346,11 +346,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         level_outputs = 2 * d if self.covariance == "diagonal" else d * rank + rank
         spec = self._observation_spec[0]
         if isinstance(spec, nn.Module):
-            if num_sources != 1 or len(self.amortized_levels) != 1:
-                raise StructureError(
-                    "an observation_net module can serve a single data source of a single local level; this model "
-                    "has several (observed sites or local levels): pass hidden layer sizes instead"
-                )
+            self._require_single_source("observation_net", num_sources, "hidden layer sizes")
             outputs = f"{level_outputs} (L_j: {d} × rank {rank}, then t_j: rank; diagonal: l_j then t_j, {d} each)"
             return _checked_module(
                 spec, "observation_net", in_features, "features per observation", "features", outputs, init
@@ -360,14 +356,19 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             dtype=init.dtype, device=init.device
         )
 
+    def _require_single_source(self, option: str, num_sources: int, instead: str) -> None:
+        """A user's ``nn.Module`` fits one input size: refuse it when the model gives several data sources (observed
+        sites) or several local levels."""
+        if num_sources != 1 or len(self.amortized_levels) != 1:
+            raise StructureError(
+                f"a module given as {option} can serve a single data source of a single local level; this model has "
+                f"several (observed sites or local levels): pass {instead} instead"
+            )
+
     def _make_feature_net(self, in_features: int, num_sources: int) -> nn.Module:
         spec = self._net_specs[0]
         if isinstance(spec, nn.Module):
-            if num_sources != 1 or len(self.amortized_levels) != 1:
-                raise StructureError(
-                    "a feature_net module can serve a single data source; this model has several (observed sites "
-                    "or local levels): pass layer sizes instead"
-                )
+            self._require_single_source("feature_net", num_sources, "layer sizes")
             return spec
         return MLP(in_features, list(spec[:-1]), spec[-1])
 

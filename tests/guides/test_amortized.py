@@ -358,3 +358,21 @@ def test_natural_form_thousand_groups_within_five_hundredths_of_a_nat_per_group(
     gap = (p.log_evidence - elbo) / 1000
     assert se / 1000 < 0.002
     assert gap < 0.05, (gap, se / 1000)
+
+
+def two_observed_sites_model(y1, y2):
+    with pyro.plate("groups", y1.shape[0], dim=-2):
+        z = pyro.sample("z", dist.Normal(0.0, 1.0))
+        with pyro.plate("obs", y1.shape[1], dim=-1):
+            pyro.sample("y1", dist.Normal(z, 1.0), obs=y1)
+            pyro.sample("y2", dist.Normal(z, 1.0), obs=y2)
+
+
+@pytest.mark.parametrize("option", ["observation_net", "feature_net"])
+def test_a_network_module_for_several_data_sources_is_a_clear_error(option):
+    """A user's module has one input size, so it cannot encode two observed sites: the error names the option."""
+    y1, y2 = torch.randn(4, 3), torch.randn(4, 3)
+    guide = AutoAmortizedBranchGuide(two_observed_sites_model, **{option: nn.Linear(1, 4)})
+    with pytest.raises(StructureError, match=f"{option} can serve a single data source"):
+        guide(y1, y2)
+
