@@ -375,4 +375,3 @@ def test_a_network_module_for_several_data_sources_is_a_clear_error(option):
     guide = AutoAmortizedBranchGuide(two_observed_sites_model, **{option: nn.Linear(1, 4)})
     with pytest.raises(StructureError, match=f"{option} can serve a single data source"):
         guide(y1, y2)
-
