@@ -13,6 +13,7 @@ from pyro_hier.guides import (
 )
 from pyro_hier.infer import MPImportance, TensorTooLargeError
 from pyro_hier.local_data import GroupedData
+from pyro_hier.optim import IterateAverage
 from pyro_hier.plates import PlateCall, capture_plates
 from pyro_hier.structure import LatentSite, ModelStructure, ObservedSite, PlateInfo, inspect_model
 
@@ -24,6 +25,7 @@ __all__ = [
     "AutoHierarchicalVM",
     "AutoPlateAmortizedFlow",
     "GroupedData",
+    "IterateAverage",
     "LatentSite",
     "MPImportance",
     "ModelStructure",

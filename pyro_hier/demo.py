@@ -24,6 +24,7 @@ from pyro_hier.errors import StructureError
 from pyro_hier.guides import AutoAmortizedBranchGuide, AutoBranchGuide, AutoPlateAmortizedFlow
 from pyro_hier.guides.hvm import AutoHierarchicalVM
 from pyro_hier.infer import MPImportance
+from pyro_hier.optim import IterateAverage
 from pyro_hier.problems import Problem
 
 __all__ = ["DEMO_GUIDES", "DEMO_LR", "DEMO_NETWORK_LR", "FitResult", "fit_guide", "run_demo"]
@@ -83,6 +84,7 @@ def fit_guide(
     network_lr: float | None = None,
     subsample: Callable[[], torch.Tensor] | None = None,
     progress: Callable | None = None,
+    average_last: float = 0.0,
 ) -> tuple[torch.nn.Module, list[float], float]:
     r"""Fit ``make_guide(problem)`` with ClippedAdam and ``Trace_ELBO`` (``num_particles`` vectorised particles) for
     a number of ``steps`` or a budget of ``seconds``; return the guide, the per-step losses and the seconds spent in
@@ -95,7 +97,9 @@ def fit_guide(
     crosses the budget is the last). ``network_lr`` (amortized guides) is the networks' initial rate, decayed alike.
     ``subsample``, if given, is called before each step for the group indices passed to the model as
     ``subsample=`` (the model must take that keyword); the guide is built on the full data first. ``progress``, if
-    given, is called after each step with ``(step, loss)``.
+    given, is called after each step with ``(step, loss)``. ``average_last`` > 0 returns the guide with its
+    parameters averaged over the iterates of that last fraction of the run (steps, or seconds with a time budget;
+    :class:`~pyro_hier.optim.IterateAverage`); the losses stay those of the iterates.
 
     Example::
 
@@ -109,6 +113,8 @@ def fit_guide(
         ValueError: unless exactly one of ``steps`` (a positive integer) and ``seconds`` (a positive number) is given.
         FloatingPointError: if a loss is not finite (names the step and the problem).
     """
+    if not (isinstance(average_last, int | float) and 0 <= average_last < 1):
+        raise ValueError(f"fit_guide: average_last must be a fraction in [0, 1), got {average_last!r}")
     if (steps is None) == (seconds is None):
         raise ValueError(f"fit_guide: give exactly one of steps and seconds, got steps={steps}, seconds={seconds}")
     if steps is not None and not (isinstance(steps, int) and steps >= 1):
@@ -133,6 +139,7 @@ def fit_guide(
     losses: list[float] = []
     spent = 0.0
     step = 0
+    average = IterateAverage(guide) if average_last > 0 else None
     while (step < steps) if steps is not None else (spent < seconds):
         kwargs = problem.kwargs if subsample is None else {**problem.kwargs, "subsample": subsample()}
         if seconds is not None:
@@ -146,6 +153,10 @@ def fit_guide(
         if progress is not None:
             progress(step, loss)
         step += 1
+        if average is not None and (step / steps if steps is not None else spent / seconds) > 1 - average_last:
+            average.update()
+    if average is not None:
+        average.apply()
     return guide, losses, spent
 
 

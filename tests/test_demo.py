@@ -123,6 +123,34 @@ def test_fit_guide_needs_exactly_one_of_steps_and_seconds():
     def make(q):
         return AutoBranchGuide(q.model)
 
-    for kwargs in ({}, {"steps": 5, "seconds": 1.0}, {"steps": 0}, {"seconds": -1.0}, {"steps": 2, "subsample": 3}):
+    for kwargs in (
+        {},
+        {"steps": 5, "seconds": 1.0},
+        {"steps": 0},
+        {"seconds": -1.0},
+        {"steps": 2, "subsample": 3},
+        {"steps": 2, "average_last": 1.0},
+        {"steps": 2, "average_last": -0.1},
+    ):
         with pytest.raises(ValueError, match="fit_guide"):
             fit_guide(p, make, **kwargs)
+
+
+def test_fit_guide_returns_the_average_of_the_last_iterates():
+    p = _tiny_regression()
+    seen = []
+
+    def progress(step: int, loss: float) -> None:
+        seen.append({k: v.detach().clone() for k, v in pyro.get_param_store().named_parameters()})
+
+    _, losses, _ = fit_guide(
+        p, lambda q: AutoBranchGuide(q.model), steps=10, average_last=0.3, num_particles=1, progress=progress
+    )
+    assert len(seen) == len(losses) == 10
+    # the iterates after steps 8, 9 and 10 (the last 30%) are averaged, in unconstrained space
+    final = dict(pyro.get_param_store().named_parameters())
+    assert final.keys() == seen[0].keys() and len(final) > 0
+    for name in seen[0]:
+        expected = sum(s[name] for s in seen[7:]) / 3
+        assert torch.allclose(final[name], expected, atol=1e-12), name
+        assert not torch.allclose(expected, seen[-1][name]), name
