@@ -52,25 +52,23 @@ def _autonormal(p, n: int) -> Callable:
     return AutoNormal(p.model, create_plates=plates, init_scale=0.1)
 
 
+def _pavi(encoder: str, *, stl: bool) -> Callable:
+    return lambda p, n: AutoPlateAmortizedFlow(
+        p.model, encoder=encoder, encoding_size=8, condition_on_ancestors=True, stick_the_landing=stl
+    )
+
+
 GUIDES: dict[str, Callable] = {
     "AutoNormal": _autonormal,
-    "PAVI-F": lambda p, n: AutoPlateAmortizedFlow(
-        p.model, encoder="free", encoding_size=8, condition_on_ancestors=True, stick_the_landing=True
-    ),
-    "PAVI-E": lambda p, n: AutoPlateAmortizedFlow(
-        p.model, encoder="deepset", encoding_size=8, condition_on_ancestors=True, stick_the_landing=True
-    ),
+    "PAVI-F": _pavi("free", stl=True),
+    "PAVI-E": _pavi("deepset", stl=True),
     # the standard gradient instead of sticking the landing (not run unless asked for with --guides)
-    "PAVI-F-noSTL": lambda p, n: AutoPlateAmortizedFlow(
-        p.model, encoder="free", encoding_size=8, condition_on_ancestors=True
-    ),
-    "PAVI-E-noSTL": lambda p, n: AutoPlateAmortizedFlow(
-        p.model, encoder="deepset", encoding_size=8, condition_on_ancestors=True
-    ),
+    "PAVI-F-noSTL": _pavi("free", stl=False),
+    "PAVI-E-noSTL": _pavi("deepset", stl=False),
 }
 DEFAULT_GUIDES = ["AutoNormal", "PAVI-F", "PAVI-E"]
 #: learning rates (AutoNormal's per-group parameters move only when their group is drawn: a larger step)
-LR = {"AutoNormal": 0.05, "PAVI-F": 0.03, "PAVI-E": 0.03, "PAVI-F-noSTL": 0.03, "PAVI-E-noSTL": 0.03}
+LR = {name: 0.05 if name == "AutoNormal" else 0.03 for name in GUIDES}
 
 
 def run(name: str, n: int, args) -> dict:
@@ -95,7 +93,7 @@ def run(name: str, n: int, args) -> dict:
     svi = SVI(p.model, guide, optim, elbo)
     gen = torch.Generator().manual_seed(args.seed)
     steps, spent = 0, 0.0
-    average = IterateAverage(guide)
+    average = IterateAverage(guide) if args.average_last > 0 else None
     while spent < args.seconds:
         idx = draw_subsamples({"groups": n}, {"groups": reduced}, generator=gen)["groups"]
         t0 = time.perf_counter()
@@ -104,9 +102,9 @@ def run(name: str, n: int, args) -> dict:
         steps += 1
         if not math.isfinite(loss):
             raise FloatingPointError(f"{name} at N={n}: loss {loss} at step {steps}")
-        if spent > (1 - args.average_last) * args.seconds:
+        if average is not None and spent > (1 - args.average_last) * args.seconds:
             average.update()
-    if args.average_last > 0:
+    if average is not None:
         average.apply()
     particles = args.eval_particles if n <= 2000 else max(20, args.eval_particles // 10)
     with torch.no_grad():

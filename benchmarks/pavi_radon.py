@@ -42,40 +42,21 @@ MEAN_TARGET = 0.1
 SD_RANGE = (0.8, 1.2)
 
 GUIDES: dict[str, Callable] = {
-    "PAVI": lambda model: AutoPlateAmortizedFlow(
-        model,
+    "PAVI": lambda p: AutoPlateAmortizedFlow(
+        p.model,
         encoder="free",
         encoding_size=8,
         flow="affine",
         condition_on_ancestors=True,
         stick_the_landing=True,
     ),
-    "AutoNormal": lambda model: AutoNormal(model),
+    "AutoNormal": lambda p: AutoNormal(p.model),
     # PAVI's own cascading form (the guide's default): not run unless asked for with --guides
-    "PAVI-no-ancestors": lambda model: AutoPlateAmortizedFlow(
-        model, encoder="free", encoding_size=8, flow="affine", stick_the_landing=True
+    "PAVI-no-ancestors": lambda p: AutoPlateAmortizedFlow(
+        p.model, encoder="free", encoding_size=8, flow="affine", stick_the_landing=True
     ),
 }
 DEFAULT_GUIDES = ["PAVI", "AutoNormal"]
-
-
-def fit(
-    problem, make_guide: Callable, *, steps: int, lr: float, final: float, particles: int, seed: int, average: float
-):
-    """ClippedAdam from ``lr`` decaying to ``lr * final`` over ``steps``, ``Trace_ELBO`` with vectorised particles,
-    parameters averaged over the last ``average`` of the steps (:func:`pyro_hier.demo.fit_guide`); returns the guide
-    and the seconds spent in the steps."""
-    guide, _, spent = fit_guide(
-        problem,
-        lambda p: make_guide(p.model),
-        steps=steps,
-        lr=lr,
-        final_lr_ratio=final,
-        num_particles=particles,
-        seed=seed,
-        average_last=average,
-    )
-    return guide, spent
 
 
 def site_errors(problem, guide, draws: int) -> dict[str, tuple[float, float, float]]:
@@ -121,15 +102,15 @@ def main() -> None:
     verdicts = {}
     for name in args.guides:
         for seed in args.seeds:
-            guide, seconds = fit(
+            guide, _, seconds = fit_guide(
                 problem,
                 GUIDES[name],
                 steps=args.steps,
                 lr=args.lr,
-                final=args.final_lr_ratio,
-                particles=args.particles,
+                final_lr_ratio=args.final_lr_ratio,
+                num_particles=args.particles,
                 seed=seed,
-                average=args.average_last,
+                average_last=args.average_last,
             )
             ok_all = True
             for site, (err, lo, hi) in site_errors(problem, guide, args.draws).items():
