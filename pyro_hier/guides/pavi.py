@@ -43,7 +43,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
 
         u_{i,n} \sim p_i(\cdot \mid \mathrm{pa}_i),\qquad
         \theta_{i,n} = T_i\big(F_i\big(T_i^{-1}(u_{i,n});\ c_{i,n}\big)\big),\qquad
-        c_{i,n} = \big[E_{\ell(i), n},\ T^{-1}(u_{\mathrm{anc}(i)})\big]
+        c_{i,n} = \big[E_{\ell(i), n},\ E_{\ell(\mathrm{anc}(i)), n},\ T^{-1}(u_{\mathrm{anc}(i)})\big]
 
     with :math:`T_i` = ``biject_to(support)``. The context :math:`c_{i,n}` is the encoding :math:`E` of the
     element's plate level (the tuple of plates of the site) and, with ``condition_on_ancestors=True``, the sites
@@ -57,6 +57,16 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
     flow learn the rest (a linear-Gaussian model's posterior mean of a group is affine in the population mean with a
     different coefficient than the prior's, which an encoding alone cannot express; PAVI's original form,
     ``condition_on_ancestors=False``, then leaves about 0.02 nats per group and dimension on GRE).
+
+    With ``encoder="deepset"`` and ancestors in the context, the context also holds the encodings of the ancestors'
+    levels :math:`E_{\ell(\mathrm{anc}(i)), n}` (the population's for a group). A base sample says where an
+    ancestor's draw lies *within* its q, but that q is conditioned on its level's encoding, which is pooled from
+    the data of the plate elements in the batch and so moves from minibatch to minibatch; without it a group's flow
+    cannot tell where the population mean's draw is. On GRE with 20,000 groups trained 20 at a time (4,000 steps,
+    iterates averaged over the last quarter), the gap to the exact evidence was 0.0051 nats per group without these
+    encodings or the deep set's linear part (:class:`~pyro_hier.encoders.DeepSetEncoder`), 0.0029 with the encodings
+    only, 0.010 with the linear part only, and 0.00014 with both. A free encoding can hold whatever its element's
+    flow needs to know about its ancestors, so ``encoder="free"`` adds none.
 
     Encodings (``encoder=``):
 
@@ -204,6 +214,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         self._level_of = {name: level for level in self.levels for name in level.sites}
         order = {name: i for i, name in enumerate(structure.latent)}
         self._context_sites: dict[str, tuple[str, ...]] = {}
+        self._context_levels: dict[str, tuple[str, ...]] = {}
         like = next(iter(structure.latent.values())).value
         if not like.is_floating_point():
             like = like.to(torch.get_default_dtype())
@@ -216,7 +227,15 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                     a for a in sites if order[a] < order[name] and set(structure.latent[a].plates) <= set(site.plates)
                 )
             self._context_sites[name] = ancestors
-            context_dim = self.encoding_size + sum(structure.latent[a].element_numel for a in ancestors)
+            own = self._level_of[name].name
+            if self.encoder_kind == "deepset":  # a free encoding can hold its ancestors' already
+                self._context_levels[name] = tuple(
+                    dict.fromkeys(self._level_of[a].name for a in ancestors if self._level_of[a].name != own)
+                )
+            else:
+                self._context_levels[name] = ()
+            context_dim = self.encoding_size * (1 + len(self._context_levels[name]))
+            context_dim += sum(structure.latent[a].element_numel for a in ancestors)
             self.flows[_key(name)] = make_flow(self.flow_spec, site.element_numel, context_dim, self.flow_hidden)
         if self.encoder_kind == "free":
             self.encoder = FreeEncoding(self.levels, self.encoding_size, like)
@@ -291,8 +310,8 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                 "per plate element when the guide was built"
             )
         level = self._level_of[name]
-        parts = [self._encoding(level.name, cascade)]
-        parts += [cascade.base_values[a] for a in self._context_sites[name]]
+        encodings = [self._encoding(lv, cascade) for lv in (level.name, *self._context_levels[name])]
+        parts = encodings + [cascade.base_values[a] for a in self._context_sites[name]]
         batch = base.batch_shape
         parts = [_fit_batch(p, len(batch)) for p in parts]
         batch = torch.broadcast_shapes(batch, *(p.shape[:-1] for p in parts))
@@ -316,7 +335,8 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         maps = _SiteMaps(q.transforms, tap, n)
         if self.stick_the_landing:
             assert self._detached_flows is not None
-            parts[0] = parts[0].detach()  # the encoding is a variational parameter; the ancestors' values are not
+            for i in range(len(encodings)):  # encodings are variational parameters; the ancestors' values are not
+                parts[i] = parts[i].detach()
             context = torch.cat([p.expand(batch + p.shape[-1:]) for p in parts], dim=-1)
             q = StickingTheLanding(q, push_forward(self._detached_flows[0][_key(name)], context))
         return q, maps

@@ -10,6 +10,8 @@ from pyro.infer import SVI, Trace_ELBO
 
 from pyro_hier import AutoPlateAmortizedFlow, StructureError
 from pyro_hier.diagnostics import count_parameters, elbo_estimate
+from pyro_hier.local_data import capture_observations
+from pyro_hier.optim import IterateAverage
 from pyro_hier.plates import draw_subsamples
 from pyro_hier.problems import gaussian_random_effects, three_level
 
@@ -17,18 +19,25 @@ ENCODERS = ["free", "deepset"]
 RADON_STEPS = 3000
 
 
-def fit(problem, guide, steps, *, lr=0.03, particles=4, subsample=None, seed=0):
-    """Adam with a geometric decay to 2% of ``lr``; ``subsample()`` gives the model's indices for each step."""
+def fit(problem, guide, steps, *, lr=0.03, particles=4, subsample=None, seed=0, average_last=0.0, eval_particles=2000):
+    """Adam with a geometric decay to 2% of ``lr``; ``subsample()`` gives the model's indices for each step; the
+    iterates of the last ``average_last`` of the steps are averaged."""
     pyro.set_rng_seed(seed)
     optim = pyro.optim.ClippedAdam({"lr": lr, "lrd": 0.02 ** (1 / steps)})
     svi = SVI(problem.model, guide, optim, Trace_ELBO(num_particles=particles, vectorize_particles=True))
-    for _ in range(steps):
+    average = None
+    for step in range(steps):
         kwargs = dict(problem.kwargs)
         if subsample is not None:
             kwargs["subsample"] = subsample()
         loss = svi.step(*problem.args, **kwargs)
         assert math.isfinite(loss)
-    return elbo_estimate(problem.model, guide, problem.args, problem.kwargs, num_particles=2000)
+        if step >= (1 - average_last) * steps:
+            average = average or IterateAverage(guide)
+            average.update()
+    if average is not None:
+        average.apply()
+    return elbo_estimate(problem.model, guide, problem.args, problem.kwargs, num_particles=eval_particles)
 
 
 # ---- accuracy against exact answers -----------------------------------------------------------------------------
@@ -114,6 +123,29 @@ def test_reduced_model_training_reaches_the_full_batch_optimum():
     assert -4 * se < gap < 0.5, f"gap {gap:.3f} ± {se:.3f}"
 
 
+def test_deepset_reduced_plates_with_many_groups():
+    """PAVI-E on 2,000 groups trained 20 at a time. The population's encoding is pooled from the groups drawn, so
+    q(mu) moves with the minibatch: the groups' flows see that encoding, and the deep set's linear part makes the
+    posterior's affine dependence on the group means exact. Measured after these 1,500 steps: 0.44–0.58 nats in
+    total (seeds 0–2); without the two, 5.7 ± 0.2."""
+    p = gaussian_random_effects(num_groups=2000, num_obs=5, dim=2)
+    guide = AutoPlateAmortizedFlow(
+        p.model, encoder="deepset", encoding_size=8, flow="affine", condition_on_ancestors=True, stick_the_landing=True
+    )
+    gen = torch.Generator().manual_seed(0)
+    elbo, se = fit(
+        p,
+        guide,
+        1500,
+        particles=16,
+        subsample=lambda: draw_subsamples({"groups": 2000}, {"groups": 20}, generator=gen)["groups"],
+        average_last=0.25,
+        eval_particles=200,
+    )
+    gap = p.log_evidence - elbo
+    assert -4 * se < gap < 2.0, f"gap {gap:.3f} ± {se:.3f}"
+
+
 # ---- parameters ---------------------------------------------------------------------------------------------------
 def test_parameter_counts():
     small = gaussian_random_effects(num_groups=20, num_obs=5, dim=2)
@@ -171,6 +203,48 @@ def test_deepset_encoder_pools_one_plate_at_a_time():
     assert paths["regions"] == [("y", ("obs", "groups"))]
     assert paths["regions__groups"] == [("y", ("obs",))]
     assert paths["globals"] == [("y", ("obs", "groups", "regions"))]
+
+
+def test_deepset_encoding_has_an_exact_linear_part():
+    """With the networks' readouts zeroed, a level's encoding is W · (mean of the standardised observations over the
+    pooled plates): exactly affine in the group means."""
+    p = three_level(num_regions=3, num_groups=4, num_obs=5)
+    guide = AutoPlateAmortizedFlow(p.model, encoder="deepset", encoding_size=4)
+    guide(*p.args)
+    encoder = guide._modules["encoder"]
+    with torch.no_grad():
+        for mlp in encoder.pool.values():
+            mlp[-1].weight.zero_()
+            mlp[-1].bias.zero_()
+    trace = pyro.poutine.trace(p.model).get_trace(*p.args)
+    calls, observations = capture_observations(p.model, p.args, {})
+    y = trace.nodes["y"]["value"]  # (regions, groups, obs)
+    z = encoder.standardize["y"](y.unsqueeze(-1))
+    W = encoder.linear["y"].weight
+    got = encoder("regions__groups", observations, calls, {}, y.dtype)
+    expected = z.mean(-2, keepdim=True) @ W.T  # pooled over observations
+    assert torch.allclose(got, expected, atol=1e-6)
+    got = encoder("regions", observations, calls, {}, y.dtype)
+    expected = z.mean((-3, -2), keepdim=True) @ W.T  # then over groups
+    assert torch.allclose(got, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("encoder", ENCODERS)
+def test_group_flows_see_their_ancestors_encodings_with_deepset(encoder):
+    """A deep-set encoding of the globals is pooled from the minibatch's data, so the groups' flows need it to know
+    where the globals' draws lie; a free encoding can hold that itself."""
+    p = three_level(num_regions=3, num_groups=4, num_obs=5)
+    guide = AutoPlateAmortizedFlow(p.model, encoder=encoder, encoding_size=4, condition_on_ancestors=True)
+    guide(*p.args)
+    levels = guide._context_levels
+    if encoder == "free":
+        assert all(v == () for v in levels.values())
+    else:
+        own = {name: lv.name for lv in guide.levels for name in lv.sites}
+        for name, context in levels.items():
+            assert own[name] not in context
+        deepest = [n for n in levels if own[n] == "regions__groups"]
+        assert deepest and all(set(levels[n]) == {"globals", "regions"} for n in deepest)
 
 
 def test_model_indices_are_honoured():
