@@ -4,14 +4,14 @@ Table B.1: the gap to the exact log evidence as the number of groups grows, at e
 For each number of groups N the script builds ``pyro_hier.problems.gaussian_random_effects(N, num_obs, dim=2)``
 (exact log evidence in float64) and trains every guide on a *reduced model*: each step draws ``--reduced`` groups
 (:func:`pyro_hier.plates.draw_subsamples`, the same seeded sequence for every guide) and Pyro scales the
-minibatch log-densities by N / reduced. Every guide gets the same wall-clock budget (optimisation steps only),
-``ClippedAdam`` with a learning rate decaying geometrically in the time spent, to 2% at the end of the budget,
-``Trace_ELBO``, and
-the same Polyak–Ruppert averaging of its iterates over the last ``--average-last`` of the budget
-(:class:`pyro_hier.optim.IterateAverage`; 0 reports the last iterate). PAVI-F and PAVI-E use
-``condition_on_ancestors=True`` and ``stick_the_landing=True`` (``PAVI-F-noSTL`` / ``PAVI-E-noSTL``: the standard
-gradient). It then estimates the full-data ELBO with :func:`pyro_hier.diagnostics.elbo_estimate` and prints a
-table: gap per group ``(log p(x) − ELBO) / N`` with its standard error, parameter count, steps and seconds.
+minibatch log-densities by N / reduced. Every guide is trained by :func:`pyro_hier.demo.fit_guide` with the same
+wall-clock budget (optimisation steps only): ``ClippedAdam`` with a learning rate decaying geometrically in the time
+spent, to 2% at the end of the budget, ``Trace_ELBO``, and the same Polyak–Ruppert averaging of its iterates over
+the last ``--average-last`` of the budget (:class:`pyro_hier.optim.IterateAverage`; 0 reports the last iterate).
+PAVI-F and PAVI-E use ``condition_on_ancestors=True`` and ``stick_the_landing=True`` (``PAVI-F-noSTL`` /
+``PAVI-E-noSTL``: the standard gradient). It then estimates the full-data ELBO with
+:func:`pyro_hier.diagnostics.elbo_estimate` and prints a table: gap per group ``(log p(x) − ELBO) / N`` with its
+standard error, parameter count, steps and seconds.
 
 AutoNormal gets the model's indices through ``create_plates`` (without it Pyro's autoguides draw their own,
 pyro-ppl/pyro#3468).
@@ -30,18 +30,15 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see branch_regression.py: sleeping threads on a busy machine
 
 import argparse
-import math
-import time
 from collections.abc import Callable
 
 import pyro
 import torch
-from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 
 from pyro_hier import AutoPlateAmortizedFlow
+from pyro_hier.demo import fit_guide
 from pyro_hier.diagnostics import count_parameters, elbo_estimate
-from pyro_hier.optim import IterateAverage
 from pyro_hier.plates import draw_subsamples
 from pyro_hier.problems import gaussian_random_effects
 
@@ -72,43 +69,22 @@ DEFAULT_GUIDES = ["AutoNormal", "PAVI-F", "PAVI-E"]
 LR = {name: 0.05 if name == "AutoNormal" else 0.03 for name in GUIDES}
 
 
-def _set_lr(optim: pyro.optim.PyroOptim, lr: float) -> None:
-    """Set the learning rate of every parameter's optimiser (they are created on the first step with ``lr``)."""
-    optim.pt_optim_args["lr"] = lr
-    for opt in optim.optim_objs.values():
-        for group in opt.param_groups:
-            group["lr"] = lr
-
-
 def run(name: str, n: int, args) -> dict:
     torch.set_num_threads(1)
     p = gaussian_random_effects(num_groups=n, num_obs=args.num_obs, dim=2, seed=args.seed)
-    pyro.clear_param_store()
-    pyro.set_rng_seed(args.seed)
-    guide = GUIDES[name](p, n)
     gen = torch.Generator().manual_seed(args.seed)
     reduced = min(args.reduced, n)
-    first = draw_subsamples({"groups": n}, {"groups": reduced}, generator=gen)["groups"]
-    guide(*p.args, subsample=first)  # build the parameters before timing
-    elbo = Trace_ELBO(num_particles=args.particles, vectorize_particles=True, max_plate_nesting=2)
-    optim = pyro.optim.ClippedAdam({"lr": LR[name]})
-    svi = SVI(p.model, guide, optim, elbo)
-    gen = torch.Generator().manual_seed(args.seed)
-    steps, spent = 0, 0.0
-    average = IterateAverage(guide) if args.average_last > 0 else None
-    while spent < args.seconds:
-        idx = draw_subsamples({"groups": n}, {"groups": reduced}, generator=gen)["groups"]
-        t0 = time.perf_counter()
-        _set_lr(optim, LR[name] * 0.02 ** (spent / args.seconds))  # down to 2% at the end of the budget
-        loss = svi.step(*p.args, subsample=idx)
-        spent += time.perf_counter() - t0
-        steps += 1
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"{name} at N={n}: loss {loss} at step {steps}")
-        if average is not None and spent > (1 - args.average_last) * args.seconds:
-            average.update()
-    if average is not None:
-        average.apply()
+    guide, losses, spent = fit_guide(  # the rate decays in the time spent, to 2% at the end of the budget
+        p,
+        lambda q: GUIDES[name](q, n),
+        seconds=args.seconds,
+        lr=LR[name],
+        final_lr_ratio=0.02,
+        num_particles=args.particles,
+        seed=args.seed,
+        subsample=lambda: draw_subsamples({"groups": n}, {"groups": reduced}, generator=gen)["groups"],
+        average_last=args.average_last,
+    )
     particles = args.eval_particles if n <= 2000 else max(20, args.eval_particles // 10)
     with torch.no_grad():
         value, se = elbo_estimate(
@@ -122,7 +98,7 @@ def run(name: str, n: int, args) -> dict:
         "se_per_group": se / n,
         "gap": gap,
         "params": count_parameters(guide),
-        "steps": steps,
+        "steps": len(losses),
         "seconds": spent,
     }
 
