@@ -400,8 +400,8 @@ class AutoHierarchicalVM(HierarchicalGuide):
     estimator). The loss is :math:`-\tilde{\mathcal L}`, a bound looser than the ELBO of :math:`q(z)` itself by
     :math:`\mathbb E_q\,\mathrm{KL}(q(\lambda \mid z) \,\|\, r(\lambda \mid z))`.
 
-    **Summaries.** ``median`` and ``quantiles`` are Monte Carlo estimates from ``summary_samples`` draws (with a fixed
-    seed, so repeated calls agree and the 0.5 quantile equals the median); for the mixture prior,
+    **Summaries.** ``median`` and ``quantiles`` are Monte Carlo estimates from ``num_summary_samples`` draws (with a
+    fixed seed, so repeated calls agree and the 0.5 quantile equals the median); for the mixture prior,
     :meth:`log_marginal` gives :math:`\log q(z)` of discrete global sites by quadrature.
 
     Example::
@@ -422,7 +422,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
     :param init_scale: initial sd of q(z | λ) for continuous sites and of every mixture component / flow scale.
     :param init_spread: continuous sites: sd of the random offsets of the mixture components' means at the start,
         in units of ``init_scale`` (discrete sites start each component at the link of one prior draw).
-    :param summary_samples: draws behind ``median`` and ``quantiles``.
+    :param num_summary_samples: draws behind ``median`` and ``quantiles``.
     :param baseline_beta: if given (e.g. ``0.9``), ``TraceGraph_ELBO`` subtracts a running-average baseline with this
         decay from each discrete site's learning signal (unbiased; lowers the score-function variance). Other ELBOs
         ignore it. Pyro keeps that average per particle, so keep ``num_particles`` fixed during a run.
@@ -442,7 +442,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
         init_loc_fn: Callable = init_to_feasible,
         init_scale: float = 0.1,
         init_spread: float = 1.0,
-        summary_samples: int = 2000,
+        num_summary_samples: int = 2000,
         baseline_beta: float | None = None,
         create_plates: Callable | None = None,
     ) -> None:
@@ -452,7 +452,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
             ("num_components", num_components),
             ("flow_layers", flow_layers),
             ("flow_hidden", flow_hidden),
-            ("summary_samples", summary_samples),
+            ("num_summary_samples", num_summary_samples),
         ):
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise ValueError(f"{label} must be a positive integer, got {value!r}")
@@ -468,7 +468,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
         self.flow_hidden = flow_hidden
         self._init_scale = float(init_scale)
         self._init_spread = float(init_spread)
-        self.summary_samples = summary_samples
+        self.num_summary_samples = num_summary_samples
         super().__init__(model, init_loc_fn=init_loc_fn, create_plates=create_plates)
 
     # ---- structure ----------------------------------------------------------------------------------------------
@@ -792,7 +792,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
     # ---- summaries ----------------------------------------------------------------------------------------------
     @torch.no_grad()
     def _draws(self, *args, **kwargs) -> dict[str, torch.Tensor]:
-        """``summary_samples`` draws at full plate size, with a fixed seed (the caller's RNG is left untouched);
+        """``num_summary_samples`` draws at full plate size, with a fixed seed (the caller's RNG is left untouched);
         continuous sites in unconstrained space. Leading dim: the draws."""
         self._require_setup(*args, **kwargs)
         assert self.structure is not None
@@ -809,7 +809,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
             with torch.random.fork_rng(devices=devices), pyro.poutine.block():
                 torch.manual_seed(0)
                 dim = -self.structure.max_plate_nesting - 1
-                with pyro.plate("_hvm_summary_draws", self.summary_samples, dim=dim):
+                with pyro.plate("_hvm_summary_draws", self.num_summary_samples, dim=dim):
                     values = self.forward(*args, **kwargs)
         finally:
             self.create_plates = saved
@@ -819,12 +819,12 @@ class AutoHierarchicalVM(HierarchicalGuide):
             if not site.discrete:
                 v = torch.distributions.biject_to(site.support).inv(v)
             shape = site.unconstrained_shape if not site.discrete else site.shape
-            out[name] = v.reshape((self.summary_samples, *tuple(shape)))
+            out[name] = v.reshape((self.num_summary_samples, *tuple(shape)))
         return out
 
     @torch.no_grad()
     def quantiles(self, quantiles: list[float] | torch.Tensor, *args, **kwargs) -> dict[str, torch.Tensor]:
-        """Marginal quantiles of every latent site (Monte Carlo, ``summary_samples`` draws, taken in unconstrained
+        """Marginal quantiles of every latent site (Monte Carlo, ``num_summary_samples`` draws, taken in unconstrained
         space for continuous sites), full size; the quantile dim comes first. Discrete sites return values of their
         support (lower empirical quantile).
 

@@ -304,7 +304,7 @@ def test_surface_svi_summaries_predictive_state_dict(prior, dtype):
 
     y = toy_data(dtype)
     pyro.clear_param_store()
-    guide = AutoHierarchicalVM(toy_model, prior=prior, summary_samples=500)
+    guide = AutoHierarchicalVM(toy_model, prior=prior, num_summary_samples=500)
     svi = SVI(toy_model, guide, pyro.optim.Adam({"lr": 0.02}), Trace_ELBO())
     losses = [svi.step(y, subsample=torch.tensor([0, 3])) for _ in range(15)]  # minibatches of the model's plate
     assert all(math.isfinite(v) for v in losses)
@@ -320,7 +320,7 @@ def test_surface_svi_summaries_predictive_state_dict(prior, dtype):
     buffer = io.BytesIO()
     torch.save(guide.state_dict(), buffer)
     pyro.clear_param_store()
-    other = AutoHierarchicalVM(toy_model, prior=prior, summary_samples=500)
+    other = AutoHierarchicalVM(toy_model, prior=prior, num_summary_samples=500)
     other(y)
     other.load_state_dict(torch.load(io.BytesIO(buffer.getvalue())))
     for k, v in guide.median(y).items():

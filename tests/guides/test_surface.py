@@ -98,15 +98,15 @@ def test_quantiles_match_samples(make):
     """The guide's quartiles against those of 4,000 fresh draws, within 5 Monte Carlo standard errors element by
     element. A sample quartile's standard error is ``sqrt(p (1 - p) / n) / f(q_p)``; ``f(q_p)`` is taken from a
     normal with the element's interquartile range (σ = IQR / 1.349, ``f = φ(0.674) / σ``). Sample-based summaries
-    (PAVI's ``num_summary_samples``, the HVM's ``summary_samples``) add their own draws' error; closed-form ones only
-    the 4,000 draws'."""
+    (PAVI's and the HVM's ``num_summary_samples``) add their own draws' error; closed-form ones only the 4,000
+    draws'."""
     y = toy_data()
     guide = make(toy_model)
     train(guide, y, steps=50)
     with torch.no_grad(), pyro.plate("samples", 4000, dim=-3):
         draws = guide(y)
     q = guide.quantiles([0.25, 0.75], y)
-    summary_draws = getattr(guide, "num_summary_samples", None) or getattr(guide, "summary_samples", None)
+    summary_draws = getattr(guide, "num_summary_samples", None)
     inv_n = 1 / 4000 + (1 / summary_draws if summary_draws else 0.0)
     for name in ("mu", "tau", "z", "s"):
         emp = draws[name].quantile(torch.tensor([0.25, 0.75], dtype=draws[name].dtype), dim=0)
