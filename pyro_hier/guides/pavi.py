@@ -105,7 +105,12 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
     :param encoding_size: size ``C`` of each plate element's encoding.
     :param flow: ``"affine+maf"`` (an affine block then a masked autoregressive flow, PAVI's default),
         ``"affine"``, or a callable ``(input_dim, context_dim)`` returning a Pyro
-        :class:`~pyro.distributions.conditional.ConditionalTransformModule`.
+        :class:`~pyro.distributions.conditional.ConditionalTransformModule`. The autoregressive block buys
+        non-Gaussian shapes (skew, funnels) at a price in precision where the posterior given the parents is close
+        to Gaussian: on GRE with 20,000 groups (deep set, 20 groups per step, 60 s) the gap to the exact evidence
+        was 2.5–4.1 nats with ``"affine+maf"`` (2 seeds) and 0.05–0.64 with ``"affine"`` (8 seeds), which, being
+        cheaper, also took 50% more steps. The autoregressive block's error was spread over all groups and largest
+        for those with extreme data (benchmarks/pavi.py).
     :param flow_hidden: hidden layers of the flows' networks.
     :param encoder_hidden: hidden layers of the deep-set networks (``encoder="deepset"``).
     :param condition_on_ancestors: include the earlier sites' base samples in each flow's context (see above).
