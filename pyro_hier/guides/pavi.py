@@ -109,8 +109,9 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         non-Gaussian shapes (skew, funnels) at a price in precision where the posterior given the parents is close
         to Gaussian: on GRE with 20,000 groups (deep set, 20 groups per step, 60 s) the gap to the exact evidence
         was 2.5–4.1 nats with ``"affine+maf"`` (2 seeds) and 0.05–0.64 with ``"affine"`` (8 seeds), which, being
-        cheaper, also took 50% more steps. The autoregressive block's error was spread over all groups and largest
-        for those with extreme data (benchmarks/pavi.py).
+        cheaper, also took 50% more steps (benchmarks/pavi.py). The autoregressive block's error is in the groups'
+        conditionals, spread over all groups and largest for those with extreme data
+        (benchmarks/pavi_gap_split.py).
     :param flow_hidden: hidden layers of the flows' networks.
     :param encoder_hidden: hidden layers of the deep-set networks (``encoder="deepset"``).
     :param condition_on_ancestors: include the earlier sites' base samples in each flow's context (see above).
