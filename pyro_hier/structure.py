@@ -12,7 +12,12 @@ is turned into a plain description, :class:`ModelStructure`:
   pairs (plates that share a site without either nesting in the other);
 - for each latent site its plates, its parents in the model (:func:`pyro.infer.inspect.get_dependencies`) and its
   *plate ancestors*: the latent sites whose plates are a strict subset of its own. In a two-level model these are
-  the globals; with nested plates they form the tree that the branch families of Agrawal & Domke (2021) follow.
+  the globals; with nested plates they form the tree that the branch families of Agrawal & Domke (2021) follow;
+- the *gathers* (:attr:`ModelStructure.gathers`, :class:`~pyro_hier.gathers.Gather`): for every site, which single
+  element of which other plate each of its elements reads, when the model gathers group effects by an index in a
+  flat plate (``a[..., county]`` in a plate of homes). A group's data are then the observations whose index points
+  at it, and a gathered parent plays the part of an enclosing plate. Found by forward-mode differentiation of the
+  prototype call (:func:`pyro_hier.gathers.trace_gathers`), computed on first use.
 """
 
 from __future__ import annotations
@@ -28,9 +33,10 @@ from pyro.poutine.subsample_messenger import _Subsample
 from torch.distributions import biject_to, constraints
 
 from pyro_hier.errors import StructureError
+from pyro_hier.gathers import Gather, GatherTrace, trace_gathers
 from pyro_hier.plates import PlateRecorder
 
-__all__ = ["LatentSite", "ModelStructure", "ObservedSite", "PlateInfo", "PlateLevel", "inspect_model"]
+__all__ = ["Gather", "LatentSite", "ModelStructure", "ObservedSite", "PlateInfo", "PlateLevel", "inspect_model"]
 
 
 @dataclass(frozen=True)
@@ -345,6 +351,48 @@ class ModelStructure:
                 )
             )
         return tuple(levels)
+
+    # ---- gathers -----------------------------------------------------------------------------------------------
+    @cached_property
+    def gather_trace(self) -> GatherTrace:
+        """The :class:`~pyro_hier.gathers.GatherTrace` of the prototype call (latent values and plate indices
+        replayed), computed once on first use."""
+        values = {name: site.value for name, site in self.latent.items()}
+        subsamples = {name: p.subsample for name, p in self.plates.items() if p.subsample is not None}
+        for name, node in self.trace.nodes.items():
+            if _is_subsample(node) and name not in subsamples:
+                subsamples[name] = node["value"]
+        return trace_gathers(self.model, self.args, self.kwargs, values=values, subsamples=subsamples)
+
+    @property
+    def gathers(self) -> dict[str, tuple[Gather, ...]]:
+        """For every site whose elements read single elements of another plate of a latent site (a flat plate of
+        observations gathering group effects, ``a[..., county]``; index chains; crossed plates), its
+        :class:`~pyro_hier.gathers.Gather` s, with indices in the prototype call's positions.
+
+        Sites nested in the plates they read (the element at their own position) have none. Example: radon written
+        with a flat plate of homes gives ``{"log_radon": (Gather("log_radon", "county_effect", "counties",
+        index=county),)}``.
+
+        :raises StructureError: if some site reads a plated latent in a way no per-element map describes (several
+            or all elements of a plate, as in ``a.sum()``; an index computed from a latent value); use
+            :meth:`gathers_of` to ask about one site only.
+        """
+        found = self.gather_trace
+        if found.problems:
+            raise StructureError(next(iter(found.problems.values())))
+        return dict(found.gathers)
+
+    def gathers_of(self, site: str) -> tuple[Gather, ...]:
+        """The :class:`~pyro_hier.gathers.Gather` s of one site (``()`` if it reads no other plate).
+
+        :raises StructureError: if that site reads a plated latent in a way no per-element map describes."""
+        if site not in self.latent and site not in self.observed:
+            raise KeyError(f"'{site}' is not a sample site of the model")
+        found = self.gather_trace
+        if site in found.problems:
+            raise StructureError(found.problems[site])
+        return found.gathers.get(site, ())
 
     def validate_trace(self, trace: poutine.Trace) -> None:
         """Raise a :class:`StructureError` if ``trace`` (of a later call) has different latent sites or puts a site
