@@ -23,7 +23,7 @@ from pyro_hier.diagnostics import count_parameters, elbo_estimate, moment_error,
 from pyro_hier.errors import StructureError
 from pyro_hier.guides import AutoAmortizedBranchGuide, AutoBranchGuide, AutoPlateAmortizedFlow
 from pyro_hier.guides.hvm import AutoHierarchicalVM
-from pyro_hier.infer import MPImportance
+from pyro_hier.infer import MPImportance, TensorTooLargeError
 from pyro_hier.optim import IterateAverage
 from pyro_hier.problems import Problem
 
@@ -181,16 +181,26 @@ def _evaluate(label: str, problem: Problem, name: str, guide, losses: list[float
 
 
 def _mp_importance_line(label: str, problem: Problem, guide, result: FitResult, num_samples: int = 32) -> str:
-    """``log p̂`` of :class:`~pyro_hier.MPImportance` with the best fitted guide as proposal, beside its ELBO."""
-    try:
-        with torch.no_grad():
-            mp = MPImportance(problem.model, guide, num_samples=num_samples).run(*problem.args, **problem.kwargs)
-            log_p = float(mp.get_log_normalizer())
-    except StructureError as e:  # e.g. observations that index group effects from another plate (radon)
-        return f"{label}: MPImportance not applicable: {e}"
+    """``log p̂`` of :class:`~pyro_hier.MPImportance` with the best fitted guide as proposal, beside its ELBO.
+
+    ``K = num_samples``, halved while the contraction would create a tensor above 128 MiB (with a mean-field proposal
+    the globals of radon each get their own samples, and the county factors grow like ``K^5``)."""
+    K = num_samples
+    while True:
+        try:
+            with torch.no_grad():
+                mp = MPImportance(problem.model, guide, num_samples=K, max_tensor_bytes=2**27)
+                log_p = float(mp.run(*problem.args, **problem.kwargs).get_log_normalizer())
+            break
+        except TensorTooLargeError:
+            if K <= 4:
+                return f"{label}: MPImportance needs more than 128 MiB at K={K} with proposal {result.guide}"
+            K //= 2
+        except StructureError as e:  # e.g. crossed plates
+            return f"{label}: MPImportance not applicable: {e}"
     exact = f", exact log p(y) {problem.log_evidence:.2f}" if problem.log_evidence is not None else ""
     return (
-        f"{label}: MPImportance (K={num_samples}, proposal {result.guide}) log p̂ {log_p:.2f}; "
+        f"{label}: MPImportance (K={K}, proposal {result.guide}) log p̂ {log_p:.2f}; "
         f"that guide's ELBO {result.elbo:.2f}{exact}"
     )
 

@@ -565,17 +565,19 @@ def test_prior_cannot_propose_child_of_enumerated_site():
         MPImportance(m, num_samples=4, max_plate_nesting=0).run()
 
 
-def test_parent_sampled_in_another_plate_is_refused():
-    """Observations that index group effects drawn in a separate plate (radon's homes and counties) cannot be
-    contracted plate by plate; the estimate would be silently wrong, so it is an error naming the sites."""
+def test_read_of_a_discrete_group_site_by_index_is_refused():
+    """Observations that read group sites of another plate by index are summed into that plate when the structure
+    finds the per-element map (tests/test_importance_gathered.py); for a discrete group site it cannot (its values
+    have no tangent), and a plate-by-plate contraction would be silently wrong: an error naming the sites."""
 
     def model(y, group):
-        mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
         with pyro.plate("groups", 3, dim=-1):
-            z = pyro.sample("z", dist.Normal(mu, 1.0))
+            c = pyro.sample("c", dist.Bernoulli(torch.tensor(0.5)))
         with pyro.plate("obs", len(y), dim=-1):
-            pyro.sample("y", dist.Normal(z[..., group], 1.0), obs=y)
+            pyro.sample("y", dist.Normal(c[..., group], 1.0), obs=y)
 
     y, group = torch.tensor([0.1, 0.5, -0.3, 1.0]), torch.tensor([0, 1, 1, 2])
-    with pytest.raises(StructureError, match=r"'y' \(plates \['obs'\]\) depends on the samples of \['z'\]"):
+    with pytest.raises(
+        StructureError, match=r"'y' \(plates \['obs'\]\) depends on the samples of \['c'\].*no per-element"
+    ):
         MPImportance(model, num_samples=4).run(y, group)

@@ -23,8 +23,15 @@ from dataclasses import dataclass
 import torch
 
 from pyro_hier.errors import StructureError
-from pyro_hier.infer.contraction import ContractionEstimate, check_memory, estimate_contraction, log_contract
-from pyro_hier.infer.factor_graph import Factor, FactorGraph, LatentSite, Plate
+from pyro_hier.infer.contraction import (
+    ContractionEstimate,
+    check_memory,
+    chunk_region,
+    estimate_contraction,
+    log_contract,
+)
+from pyro_hier.infer.factor_graph import Factor, FactorGraph
+from pyro_hier.structure import PlateInfo
 
 __all__ = ["Pass", "run_chunked"]
 
@@ -34,8 +41,9 @@ class Pass:
     """One contraction that source terms can be attached to.
 
     ``graph`` packs the source terms (its sites and index variables); ``factors`` are contracted over ``sum_dims``
-    with plate powers ``scales``; results for ``indices`` and ``sites`` are read from this pass. ``rebuild`` (chunks)
-    recreates ``graph`` and its local ``factors`` from the chunk's stored samples when they were released."""
+    with plate powers ``scales``, gathered plates summed into their parents by the graph's segments; results for
+    ``indices`` and ``sites`` are read from this pass. ``rebuild`` (chunks) recreates ``graph`` and its local
+    ``factors`` from the chunk's stored samples when they were released."""
 
     graph: FactorGraph | None
     factors: list[Factor] | None
@@ -53,16 +61,13 @@ class Pass:
 
 def _signature(graph: FactorGraph) -> tuple:
     return (
-        tuple((s, i.dim, i.size, tuple(p.name for p in i.plates), tuple(i.sites)) for s, i in graph.indices.items()),
-        tuple((p.name, p.symbol, p.dim) for p in graph.plates.values()),
+        tuple((s, i.dim, i.size, i.plates, tuple(i.sites)) for s, i in graph.indices.items()),
+        tuple((p, graph.symbols[p], graph.dim(p)) for p in graph.plates),
+        tuple(graph.gathered.parents.items()),
     )
 
 
-def _replace_plate(plates: tuple[Plate, ...], plate: Plate) -> tuple[Plate, ...]:
-    return tuple(plate if p.name == plate.name else p for p in plates)
-
-
-def _fixed_samples(graph: FactorGraph, guided: bool, keep: Callable[[tuple[Plate, ...]], bool]) -> dict:
+def _fixed_samples(graph: FactorGraph, guided: bool, keep: Callable[[tuple[str, ...]], bool]) -> dict:
     """Samples of the random sites whose plates satisfy ``keep``, in the layout ``build_factor_graph`` replays."""
     if guided:
         return {n: v for n, (v, plates, random) in graph.guide_sites.items() if random and keep(plates)}
@@ -87,18 +92,34 @@ def run_chunked(
     for idx in chunks:
         graph = build(idx, global_fixed)
         plate = graph.plates.get(plate_name)
-        if plate is None or plate.size != len(idx) or plate.full_size != full_size:
+        if plate is None or plate.subsample_size != len(idx) or plate.size != full_size:
             raise StructureError(
                 f"chunk_plate {plate_name!r}: the model did not use the {len(idx)} indices passed as its subsample "
                 f"keyword (plate seen: {plate}); open the plate as pyro.plate({plate_name!r}, N, subsample=subsample)"
             )
-        local = [f for f in graph.factors if plate.symbol in f.ordinal]
-        outer = [f for f in graph.factors if plate.symbol not in f.ordinal]
-        local_symbols = {s for s, i in graph.indices.items() if plate in i.plates}
-        est = estimate_contraction(graph.factors, graph.sum_dims)
+        if plate_name in graph.gathered.parents:
+            parent = graph.gathered.parents[plate_name]
+            raise StructureError(
+                f"chunk_plate {plate_name!r} is gathered into plate {parent!r} (its elements read elements of "
+                f"{parent!r}); chunk {graph.gathered.root(plate_name)!r} instead, with the model opening the rows "
+                "of each chunk (pyro_hier.plates.gathered_rows)"
+            )
+        region = chunk_region(graph, plate_name)
+        symbol = graph.symbols[plate_name]
+        crowded = [n for n, s in graph.sites.items() if (graph.ordinal(s.plates) & region) - {symbol}]
+        if crowded:
+            raise StructureError(
+                f"chunk_plate {plate_name!r}: the latent sites {crowded} lie in plates gathered into it; chunking "
+                "supports plates gathered into the chunked plate that hold observations only. Run without chunking, "
+                "or nest those sites in the chunked plate"
+            )
+        local = [f for f in graph.factors if region & f.ordinal]
+        outer = [f for f in graph.factors if not region & f.ordinal]
+        local_symbols = {s for s, i in graph.indices.items() if plate_name in i.plates}
+        est = estimate_contraction(graph.factors, graph.sum_dims, graph.segments)
         check_memory(graph, est, max_tensor_bytes, chunked=plate_name)
         if first is None:
-            inner_plates = {s for f in local for s in f.ordinal} - {plate.symbol}
+            inner_plates = {s for f in local for s in f.ordinal} - region
             if inner_plates & {s for f in outer for s in f.ordinal}:
                 raise StructureError(
                     f"chunk_plate {plate_name!r} must be an outermost plate: plates used inside it also hold sites "
@@ -106,10 +127,11 @@ def run_chunked(
                 )
             first, estimate, chunk_plate, template = _signature(graph), est, plate, graph
             global_factors = outer
-            global_fixed = _fixed_samples(graph, guided, lambda plates, plate=plate: plate not in plates)
+            global_fixed = _fixed_samples(graph, guided, lambda plates: plate_name not in plates)
             global_symbols = set(graph.indices) - local_symbols
             scales = dict(graph.plate_scales)
-            scales[plate.symbol] = 1.0  # the chunks together cover the plate once
+            scales[symbol] = 1.0  # the chunks together cover the plate once
+            segments = graph.segments
         elif _signature(graph) != first:
             raise StructureError(
                 f"the model's sites or plates differ between chunks of plate {plate_name!r}; chunking needs the "
@@ -118,18 +140,22 @@ def run_chunked(
         elif est.largest > estimate.largest:
             estimate = est
         with torch.no_grad():
-            messages.append(log_contract(local, local_symbols, scales, target=global_symbols & _dims_of(local)))
+            messages.append(
+                log_contract(
+                    local, local_symbols, scales, target=global_symbols & _dims_of(local), segments=graph.segments
+                )
+            )
         for n, site in graph.sites.items():
-            if plate in site.plates:
+            if plate_name in site.plates:
                 pieces.setdefault(n, []).append(site.value)
         stored.append((idx, _fixed_samples(graph, guided, lambda plates: True)))
         del graph, local, outer
 
-    full_plate = dataclasses.replace(chunk_plate, size=full_size, full_size=full_size)
+    full_plate = dataclasses.replace(chunk_plate, subsample_size=full_size)
     merged = _merge(template, pieces, full_plate, global_factors)
     total = _as_factor(_sum_messages(messages), "chunks")
     with torch.no_grad():
-        log_normalizer = log_contract([*global_factors, total], global_symbols, scales)
+        log_normalizer = log_contract([*global_factors, total], global_symbols, scales, segments=segments)
     passes = [
         Pass(
             graph=dataclasses.replace(merged, factors=global_factors),
@@ -137,16 +163,17 @@ def run_chunked(
             sum_dims=global_symbols,
             scales=scales,
             indices=[s for s in merged.indices if s in global_symbols],
-            sites=[n for n, site in merged.sites.items() if full_plate not in site.plates],
+            sites=[n for n, site in merged.sites.items() if plate_name not in site.plates],
         )
     ]
-    local_sites = [n for n, site in merged.sites.items() if full_plate in site.plates]
+    local_sites = [n for n, site in merged.sites.items() if plate_name in site.plates]
     for c, (idx, fixed) in enumerate(stored):
         rest = _sum_messages([m for j, m in enumerate(messages) if j != c])
 
-        def rebuild(idx=idx, fixed=fixed, rest=rest, symbol=full_plate.symbol):
+        def rebuild(idx=idx, fixed=fixed, rest=rest):
             graph = build(idx, fixed)
-            local = [f for f in graph.factors if symbol in f.ordinal]
+            region = chunk_region(graph, plate_name)
+            local = [f for f in graph.factors if region & f.ordinal]
             extra = [] if rest is None else [_as_factor(rest, "other chunks")]
             return graph, local + global_factors + extra
 
@@ -191,27 +218,21 @@ def _sum_messages(messages: list[torch.Tensor]) -> torch.Tensor | None:
 
 
 def _merge(
-    template: FactorGraph, pieces: dict[str, list[torch.Tensor]], plate: Plate, factors: list[Factor]
+    template: FactorGraph, pieces: dict[str, list[torch.Tensor]], plate: PlateInfo, factors: list[Factor]
 ) -> FactorGraph:
     """A graph over all chunks for bookkeeping (sites with every chunk's samples, index variables, shapes)."""
     plates = dict(template.plates)
     plates[plate.name] = plate
-    indices = {
-        s: dataclasses.replace(i, plates=_replace_plate(i.plates, plate), sites=list(i.sites))
-        for s, i in template.indices.items()
-    }
+    indices = {s: dataclasses.replace(i, sites=list(i.sites)) for s, i in template.indices.items()}
     merged = dataclasses.replace(template, plates=plates, indices=indices, factors=factors, guide_sites={})
     sites = {}
     for name, site in template.sites.items():
         if name not in pieces:
             sites[name] = site
             continue
-        site_plates = _replace_plate(site.plates, plate)
         values = pieces[name]
         axis = values[0].dim() - site.event_dim + plate.dim
         value = torch.cat(values, axis)
-        sites[name] = LatentSite(
-            name, site.index, value, site.event_dim, site_plates, merged.natural_shape(site_plates)
-        )
+        sites[name] = dataclasses.replace(site, value=value, batch_shape=merged.natural_shape(site.plates))
     merged.sites = sites
     return merged

@@ -1,5 +1,10 @@
 """K samples of every latent site, and the plated factor graph of the massively parallel importance estimator.
 
+The model is described once, by :func:`pyro_hier.structure.inspect_model` on the call being estimated: its plates
+(:class:`~pyro_hier.structure.PlateInfo`: dims, full and subsample sizes), latent and observed sites, and the gathers
+of flat plates that read group effects by an index. This module adds what only the estimator needs: the samples, an
+einsum symbol per plate and per index variable, and the packed log factors.
+
 Layouts (``P = max_plate_nesting``):
 
 - *particle layout*: the guide runs once inside an extra plate of size ``K`` at dim ``-(P + 1)``, so sample ``k`` of
@@ -14,6 +19,10 @@ Layouts (``P = max_plate_nesting``):
 Factors are *packed* like Pyro's (``tensor._pyro_dims`` names each axis) but keep every plate axis and every index
 variable's own axis even when its size is 1 (``pyro.ops.packed.pack`` drops them), and log densities are never
 multiplied by the subsampling scale ``N/B``: that is applied to the product over the plate in the contraction.
+
+A factor may depend on the samples of an index variable drawn per element of a plate it is not in, when its site
+*gathers* them (``a[..., county]`` in a plate of homes): the factor then stays in its own plate, and the contraction
+sums it into the plate it reads (:mod:`pyro_hier.infer.gathered`).
 """
 
 from __future__ import annotations
@@ -34,58 +43,42 @@ from pyro.poutine.messenger import Messenger
 from pyro.poutine.subsample_messenger import _Subsample
 
 from pyro_hier.errors import StructureError
+from pyro_hier.infer.gathered import GatheredPlates, SegmentSum, find_gathered_plates
+from pyro_hier.structure import LatentSite, ModelStructure, PlateInfo, inspect_model
 
-__all__ = ["Factor", "FactorGraph", "IndexVariable", "LatentSite", "Plate", "build_factor_graph"]
+__all__ = ["Factor", "FactorGraph", "IndexVariable", "SiteSamples", "TensorTooLargeError", "build_factor_graph"]
 
 _PARTICLES = "_mp_importance_particles"
 
 
-@dataclass(frozen=True)
-class Plate:
-    """A vectorised plate as seen by the model: ``size`` elements present (the subsample) out of ``full_size``."""
-
-    name: str
-    symbol: str
-    dim: int
-    size: int
-    full_size: int
-
-    @property
-    def scale(self) -> float:
-        """``N / B``: the power to which the product over the plate's present elements is raised."""
-        return self.full_size / self.size
-
-
 @dataclass
 class IndexVariable:
-    """One sample index per element of ``plates``: which of the ``size`` samples (or support points) is used."""
+    """One sample index per element of ``plates`` (plate names, outermost first): which of the ``size`` samples (or
+    support points) is used. ``symbol`` names it in packed factors, ``dim`` is its dim in model layout."""
 
     symbol: str
     dim: int
     size: int
-    plates: tuple[Plate, ...]  # sorted by dim, outermost (most negative) first
+    plates: tuple[str, ...]
     sites: list[str] = field(default_factory=list)
     enumerated: bool = False
 
-    @property
-    def ordinal(self) -> frozenset[str]:
-        return frozenset(p.symbol for p in self.plates)
-
 
 @dataclass
-class LatentSite:
-    """A latent site of the model: its samples in model layout and where its plates are."""
+class SiteSamples:
+    """The samples of one latent site (``latent``, as the structure describes it) in model layout, with the symbol
+    of its index variable and its batch shape in a plain run of the call (plates at their subsample sizes)."""
 
     name: str
-    index: str  # symbol of its IndexVariable
-    value: torch.Tensor  # model layout
-    event_dim: int
-    plates: tuple[Plate, ...]
-    batch_shape: torch.Size  # the site's batch shape in a plain model run (plates only)
+    index: str
+    value: torch.Tensor
+    latent: LatentSite
+    plates: tuple[str, ...]  # outermost first
+    batch_shape: torch.Size
 
     @property
-    def ordinal(self) -> frozenset[str]:
-        return frozenset(p.symbol for p in self.plates)
+    def event_dim(self) -> int:
+        return self.latent.event_dim
 
 
 @dataclass
@@ -99,17 +92,25 @@ class Factor:
 
 @dataclass
 class FactorGraph:
-    """Everything the contraction needs, plus the bookkeeping to read results back at the sites' shapes."""
+    """Everything the contraction needs, plus the bookkeeping to read results back at the sites' shapes.
+
+    ``plates`` are the structure's :class:`~pyro_hier.structure.PlateInfo` of the plates that hold sample sites (the
+    chunked plate at its full size in a merged graph), ``symbols`` their einsum symbols; ``gathered`` is the tree of
+    gathered plates and ``segments`` the steps that sum them into their parents, deepest first."""
 
     num_samples: int
     max_plate_nesting: int
-    plates: dict[str, Plate]
+    structure: ModelStructure
+    plates: dict[str, PlateInfo]
+    symbols: dict[str, str]
     indices: dict[str, IndexVariable]  # by symbol, in sampling order of appearance
-    sites: dict[str, LatentSite]  # model latent sites, in model order
+    sites: dict[str, SiteSamples]  # model latent sites, in model order
     factors: list[Factor]
     dim_to_symbol: dict[int, str]
-    #: the guide's sites in particle layout: ``{name: (value (K, *plates, *event), plates, random)}``
-    guide_sites: dict[str, tuple[torch.Tensor, tuple[Plate, ...], bool]] = field(default_factory=dict)
+    gathered: GatheredPlates = field(default_factory=GatheredPlates)
+    segments: tuple[SegmentSum, ...] = ()
+    #: the guide's sites in particle layout: ``{name: (value (K, *plates, *event), plate names, random)}``
+    guide_sites: dict[str, tuple[torch.Tensor, tuple[str, ...], bool]] = field(default_factory=dict)
     #: the dtype of the model's log densities (the factors may be contracted in another, see MPImportance)
     model_dtype: torch.dtype | None = None
 
@@ -125,46 +126,72 @@ class FactorGraph:
     def sum_dims(self) -> set[str]:
         return set(self.indices)
 
+    # ---- plates -------------------------------------------------------------------------------------------------
+    def size(self, plate: str) -> int:
+        """The number of elements of ``plate`` present in the call (its subsample size)."""
+        return self.plates[plate].subsample_size
+
+    def dim(self, plate: str) -> int:
+        dim = self.plates[plate].dim
+        assert dim is not None
+        return dim
+
+    def scale(self, plate: str) -> float:
+        """``N / B``: the power to which the product over the plate's present elements is raised."""
+        info = self.plates[plate]
+        return info.size / info.subsample_size
+
+    def scale_of(self, plates: Iterable[str]) -> float:
+        return math.prod(self.scale(p) for p in plates)
+
     @property
     def plate_scales(self) -> dict[str, float]:
-        return {p.symbol: p.scale for p in self.plates.values()}
+        """``{plate symbol: N/B}``, the powers of the contraction."""
+        return {self.symbols[p]: self.scale(p) for p in self.plates}
 
-    def scale_of(self, plates: Iterable[Plate]) -> float:
-        return math.prod(p.scale for p in plates)
+    def ordinal(self, plates: Iterable[str]) -> frozenset[str]:
+        return frozenset(self.symbols[p] for p in plates)
 
-    def natural_shape(self, plates: Iterable[Plate]) -> torch.Size:
+    def sorted_plates(self, plates: Iterable[str]) -> tuple[str, ...]:
+        """Plate names ordered by dim, outermost (most negative) first."""
+        return tuple(sorted(set(plates), key=self.dim))
+
+    def level(self, plates: Iterable[str]) -> int:
+        """How deep elements of ``plates`` sit: one per plate, plus the plates each is gathered into."""
+        return sum(1 + self.gathered.depth(p) for p in plates)
+
+    def effective_scale(self, plates: Iterable[str], scales: dict[str, float]) -> float:
+        """The power to which the contraction with plate powers ``scales`` (by symbol) raises a factor in ``plates``:
+        the plates' own ``N/B``, with the power of the root of a gathered plate's chain in place of its ``N/B``
+        (chunks raise the chunked plate to 1)."""
+        total = 1.0
+        for p in plates:
+            root = self.gathered.root(p)
+            total *= self.scale(p) * scales.get(self.symbols[root], 1.0) / self.scale(root)
+        return total
+
+    def natural_shape(self, plates: Iterable[str]) -> torch.Size:
         """Batch shape of a tensor living in ``plates`` in a plain model run (ones between plate dims)."""
         plates = tuple(plates)
         if not plates:
             return torch.Size()
-        length = max(-p.dim for p in plates)
+        length = max(-self.dim(p) for p in plates)
         shape = [1] * length
         for p in plates:
-            shape[length + p.dim] = p.size
+            shape[length + self.dim(p)] = self.size(p)
         return torch.Size(shape)
 
-    def pack(
-        self,
-        tensor: torch.Tensor,
-        plates: Iterable[Plate],
-        own: Iterable[int] = (),
-        *,
-        what: str = "",
-    ) -> torch.Tensor:
-        """Pack a model-layout batch tensor (no event dims) into a factor tensor with ``_pyro_dims``.
-
-        Plate axes of ``plates`` are always kept (expanded to the plate size if broadcast); index-variable axes are
-        kept when larger than 1 or listed in ``own``; every other axis must have size 1.
-        """
-        plates = tuple(plates)
+    # ---- packing ------------------------------------------------------------------------------------------------
+    def _layout(self, tensor: torch.Tensor, plates: tuple[str, ...], own: set[int], what: str):
+        """Which axes of a model-layout tensor to drop and which to keep, with their symbols; and, for each index
+        variable it depends on whose plates are not all among ``plates``, those plates."""
         P = self.max_plate_nesting
-        by_dim = {p.dim: p for p in plates}
-        own = set(own)
-        need = max([-d for d in own] + [-p.dim for p in plates] + [0])
+        by_dim = {self.dim(p): p for p in plates}
+        need = max([-d for d in own] + [-self.dim(p) for p in plates] + [0])
         if tensor.dim() < need:
             tensor = tensor.reshape((1,) * (need - tensor.dim()) + tuple(tensor.shape))
         n = tensor.dim()
-        drop, symbols, sizes = [], [], []
+        drop, symbols, sizes, foreign = [], [], [], {}
         for i, size in enumerate(tensor.shape):
             pos = i - n
             if pos >= -P:
@@ -177,12 +204,12 @@ class FactorGraph:
                         )
                     drop.append(i)
                     continue
-                if size not in (1, plate.size):
+                if size not in (1, self.size(plate)):
                     raise StructureError(
-                        f"{what}: dim {pos} of plate {plate.name!r} has size {size}, expected {plate.size}"
+                        f"{what}: dim {pos} of plate {plate!r} has size {size}, expected {self.size(plate)}"
                     )
-                symbols.append(plate.symbol)
-                sizes.append(plate.size)
+                symbols.append(self.symbols[plate])
+                sizes.append(self.size(plate))
             else:
                 symbol = self.dim_to_symbol.get(pos)
                 if symbol is None:
@@ -194,19 +221,39 @@ class FactorGraph:
                     drop.append(i)
                 elif size > 1 or pos in own:
                     index = self.indices[symbol]
-                    outside = [q.name for q in index.plates if q.symbol not in {p.symbol for p in plates}]
+                    outside = tuple(q for q in index.plates if q not in plates)
                     if outside:
-                        raise StructureError(
-                            f"{what} (plates {[p.name for p in plates]}) depends on the samples of "
-                            f"{index.sites} drawn per element of plate(s) {outside}, which it is not in (e.g. "
-                            "observations indexing group effects with z[group] in a separate plate). A plated "
-                            "contraction can only combine a site with parents whose plates enclose it: nest the "
-                            "observations inside the group plate, or estimate with a guide-based method."
-                        )
+                        foreign[symbol] = outside
                     symbols.append(symbol)
                     sizes.append(index.size)
                 else:
                     drop.append(i)
+        return tensor, drop, symbols, sizes, foreign
+
+    def foreign(self, tensor: torch.Tensor, plates: Iterable[str], own: Iterable[int] = (), *, what: str = "") -> dict:
+        """``{index symbol: plates}``: the index variables ``tensor`` depends on that are drawn per element of plates
+        it is not in (through a gather), with those plates."""
+        return self._layout(tensor, tuple(plates), set(own), what)[4]
+
+    def pack(
+        self,
+        tensor: torch.Tensor,
+        plates: Iterable[str],
+        own: Iterable[int] = (),
+        *,
+        what: str = "",
+        reader: str | None = None,
+    ) -> torch.Tensor:
+        """Pack a model-layout batch tensor (no event dims) into a factor tensor with ``_pyro_dims``.
+
+        Plate axes of ``plates`` are always kept (expanded to the plate size if broadcast); index-variable axes are
+        kept when larger than 1 or listed in ``own``; every other axis must have size 1. An index variable drawn per
+        element of other plates is accepted when the site ``reader`` gathers it from plates its own are summed into.
+        """
+        plates = tuple(plates)
+        tensor, drop, symbols, sizes, foreign = self._layout(tensor, plates, set(own), what)
+        for symbol, outside in foreign.items():
+            self._check_gathered(symbol, outside, plates, what, reader)
         if drop:
             tensor = tensor.squeeze(tuple(drop))
         if tuple(tensor.shape) != tuple(sizes):
@@ -214,22 +261,43 @@ class FactorGraph:
         tensor._pyro_dims = "".join(symbols)
         return tensor
 
-    def zeros(self, index_symbols: Iterable[str], plates: Iterable[Plate], dtype: torch.dtype) -> torch.Tensor:
+    def _check_gathered(
+        self, symbol: str, outside: tuple[str, ...], plates: tuple[str, ...], what: str, reader: str | None
+    ) -> None:
+        index = self.indices[symbol]
+        read = set()
+        if reader is not None and self.gathered:
+            read = {(g.source, g.plate) for g in self.structure.gathers_of(reader)}
+        missing = [q for q in outside if not any((s, q) in read for s in index.sites)]
+        if missing or not self.gathered.reaches(plates, outside):
+            raise StructureError(
+                f"{what} (plates {list(plates)}) depends on the samples of {index.sites} drawn per element of "
+                f"plate(s) {list(outside)}, which it is not in, and no per-element read of them was found. "
+                "MPImportance sums a flat plate into the plate it gathers from when each of its elements reads one "
+                "element of it (a[..., group] for a continuous latent a); nest the site in that plate, or estimate "
+                "with a guide-based method"
+            )
+
+    def zeros(self, index_symbols: Iterable[str], plates: Iterable[str], dtype: torch.dtype) -> torch.Tensor:
         """A zero tensor packed over ``index_symbols`` then ``plates`` (a source term)."""
         index_symbols = tuple(index_symbols)
         plates = tuple(plates)
-        shape = [self.indices[s].size for s in index_symbols] + [p.size for p in plates]
+        shape = [self.indices[s].size for s in index_symbols] + [self.size(p) for p in plates]
         tensor = torch.zeros(shape, dtype=dtype, device=self.device)
-        tensor._pyro_dims = "".join(index_symbols) + "".join(p.symbol for p in plates)
+        tensor._pyro_dims = "".join(index_symbols) + "".join(self.symbols[p] for p in plates)
         return tensor
 
-    def to_natural(self, site: LatentSite, tensor: torch.Tensor) -> torch.Tensor:
+    def to_natural(self, site: SiteSamples, tensor: torch.Tensor) -> torch.Tensor:
         """A model-layout value ``(size, ..., *plates, *event)`` as ``(size, *site.batch_shape, *event)``."""
         size = tensor.shape[0]
         tail = tensor.shape[tensor.dim() - self.max_plate_nesting - site.event_dim :]
         tensor = tensor.reshape((size, *tail))
         keep = len(site.batch_shape) + site.event_dim
         return tensor.reshape((size, *tensor.shape[tensor.dim() - keep :]))
+
+
+class TensorTooLargeError(ValueError):
+    """A tensor of the MP importance computation would exceed the memory limit."""
 
 
 # ------------------------------------------------------------------------------------------------------ messengers
@@ -422,73 +490,47 @@ def _vectorized_frames(site) -> tuple:
     return tuple(f for f in site["cond_indep_stack"] if f.vectorized and f.name != _PARTICLES)
 
 
-def guess_max_plate_nesting(model: Callable, guide: Callable | None, args: tuple, kwargs: dict) -> int:
-    """Deepest plate dim used by the model or the guide (one plain run of each)."""
-    deepest = 0
-    with torch.no_grad(), poutine.block():
-        for fn in (model, guide):
-            if fn is None:
-                continue
-            trace = poutine.trace(fn).get_trace(*args, **kwargs)
-            for site in trace.nodes.values():
-                if site["type"] == "sample":
-                    for f in site["cond_indep_stack"]:
-                        if f.vectorized:
-                            if f.dim is None:
-                                raise StructureError(f"plate {f.name!r} has no dim; give it dim=-k")
-                            deepest = max(deepest, -f.dim)
-    return deepest
+def _plates_of(site, structure: ModelStructure, P: int, what: str) -> tuple[str, ...]:
+    """The names of a traced site's plates, outermost first, checked against the structure's plates."""
+    names = []
+    for f in _vectorized_frames(site):
+        info = structure.plates.get(f.name)
+        full = f.full_size if f.full_size is not None else f.size
+        if info is None or info.dim is None:
+            raise StructureError(
+                f"{what}: plate {f.name!r} is not a plate of the model's sample sites; the guide must open the "
+                "model's plates"
+            )
+        if -f.dim > P:
+            raise StructureError(
+                f"{what}: plate {f.name!r} uses dim {f.dim} but max_plate_nesting={P}; pass "
+                f"max_plate_nesting={-f.dim} or more"
+            )
+        if (info.dim, info.subsample_size, info.size) != (f.dim, f.size, full):
+            raise StructureError(
+                f"{what}: plate {f.name!r} has dim {f.dim}, size {f.size} of {full} here but dim {info.dim}, size "
+                f"{info.subsample_size} of {info.size} in the model; the model and guide must open it alike"
+            )
+        names.append(f.name)
+    return tuple(sorted(names, key=lambda n: structure.plates[n].dim))
 
 
-class _Registry:
-    """Plate and symbol bookkeeping shared by the guide and the model runs."""
+class _Symbols:
+    """Einsum symbols, allocated in order."""
 
-    def __init__(self, max_plate_nesting: int) -> None:
-        self.P = max_plate_nesting
-        self.plates: dict[str, Plate] = {}
+    def __init__(self) -> None:
         self._count = 0
 
-    def symbol(self) -> str:
+    def __call__(self) -> str:
         s = opt_einsum.get_symbol(self._count)
         self._count += 1
         return s
 
-    def plates_of(self, site, what: str) -> tuple[Plate, ...]:
-        out = []
-        for f in _vectorized_frames(site):
-            plate = self.plates.get(f.name)
-            full = f.full_size if f.full_size is not None else f.size
-            if plate is None:
-                if -f.dim > self.P:
-                    raise StructureError(
-                        f"{what}: plate {f.name!r} uses dim {f.dim} but max_plate_nesting={self.P}; pass "
-                        f"max_plate_nesting={-f.dim} or more"
-                    )
-                plate = Plate(f.name, self.symbol(), f.dim, f.size, full)
-                self.plates[f.name] = plate
-            elif (plate.dim, plate.size, plate.full_size) != (f.dim, f.size, full):
-                raise StructureError(
-                    f"{what}: plate {f.name!r} has dim {f.dim}, size {f.size} of {full} here but dim {plate.dim}, "
-                    f"size {plate.size} of {plate.full_size} elsewhere; the model and guide must open it alike"
-                )
-            out.append(plate)
-        return tuple(sorted(out, key=lambda p: p.dim))
 
-
-def _site_log_prob(site, what: str) -> torch.Tensor:
+def _site_log_prob(site) -> torch.Tensor:
     fn, value = site["fn"], site["value"]
     log_prob = detach_provenance(fn.log_prob(value))
     return scale_and_mask(log_prob, 1.0, site["mask"])
-
-
-def _user_scale(site, plates: tuple[Plate, ...]) -> float | torch.Tensor:
-    """The site's ``poutine.scale`` without the plates' subsampling factors."""
-    scale = site["scale"]
-    plate_scale = math.prod(p.scale for p in plates)
-    if isinstance(scale, torch.Tensor):
-        return scale / plate_scale
-    ratio = float(scale) / plate_scale
-    return 1.0 if abs(ratio - 1.0) < 1e-12 else ratio
 
 
 class _UnionFind:
@@ -510,9 +552,7 @@ class _UnionFind:
             self.parent[rb] = ra
 
 
-def _run_guide(
-    guide: Callable, args: tuple, kwargs: dict, K: int, P: int, registry: _Registry, fixed: dict[str, torch.Tensor]
-) -> dict:
+def _run_guide(guide: Callable, args: tuple, kwargs: dict, K: int, P: int, fixed: dict[str, torch.Tensor]) -> dict:
     """One vectorised guide call with K particles; returns the groups of sites sharing a sample index."""
     tracker = _ProvenanceTracker()
     particles = pyro.plate(_PARTICLES, K, dim=-P - 1)
@@ -538,7 +578,6 @@ def _run_guide(
                 f"{what}: batch shape {tuple(batch)} does not fit max_plate_nesting={P} (its dim {-P - 1} holds "
                 "the K samples); pass a larger max_plate_nesting"
             )
-        log_q = _site_log_prob(site, what)
         point_mass = _is_point_mass(fn)
         sources = tracker.sources.get(name, frozenset())
         if point_mass and not sources:
@@ -556,22 +595,56 @@ def _run_guide(
         sites[name] = {
             "value": value,
             "event_dim": event_dim,
-            "log_q": log_q,
+            "log_q": _site_log_prob(site),
             "random": not point_mass,
             "sources": sources,
-            "plates": registry.plates_of(site, what),
-            "auxiliary": bool(site["infer"].get("is_auxiliary")),
+            "node": site,
         }
     groups: OrderedDict[str, dict] = OrderedDict()
     for name, info in sites.items():
         root = uf.find(next(iter(sorted(info["sources"]))))
-        group = groups.setdefault(root, {"members": [], "plates": set(), "random": []})
+        group = groups.setdefault(root, {"members": [], "random": []})
         group["members"].append(name)
         info["group"] = root
         if info["random"]:
             group["random"].append(name)
-            group["plates"].update(info["plates"])
     return {"sites": sites, "groups": groups, "subsamples": subsamples}
+
+
+class _GivenSubsamples(Messenger):
+    """Opens the listed plates with these indices when the model does not choose its own."""
+
+    def __init__(self, subsamples: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.subsamples = subsamples
+
+    def _pyro_sample(self, msg) -> None:
+        if isinstance(msg["fn"], _Subsample) and msg["value"] is None and msg["name"] in self.subsamples:
+            msg["value"] = self.subsamples[msg["name"]]
+
+
+def _subsamples(structure: ModelStructure) -> dict[str, torch.Tensor]:
+    """The indices every plate used in the structure's call."""
+    return {
+        name: node["value"]
+        for name, node in structure.trace.nodes.items()
+        if node["type"] == "sample" and isinstance(node["fn"], _Subsample)
+    }
+
+
+def describe_call(
+    model: Callable, args: tuple, kwargs: dict, subsamples: dict[str, torch.Tensor] | None = None
+) -> ModelStructure:
+    """:func:`~pyro_hier.structure.inspect_model` of the call ``model(*args, **kwargs)``, with the plates in
+    ``subsamples`` opened with those indices (those the proposal drew) unless the model gives its own."""
+    if subsamples:
+
+        def model_with_subsamples(*a, **k):
+            with _GivenSubsamples(subsamples):
+                return model(*a, **k)
+
+        return inspect_model(model_with_subsamples, args, kwargs, num_calls=1)
+    return inspect_model(model, args, kwargs, num_calls=1)
 
 
 def build_factor_graph(
@@ -581,32 +654,40 @@ def build_factor_graph(
     kwargs: dict,
     *,
     num_samples: int,
-    max_plate_nesting: int,
+    max_plate_nesting: int | None = None,
     fixed: dict[str, torch.Tensor] | None = None,
+    structure: ModelStructure | None = None,
 ) -> FactorGraph:
     """Draw the samples, run the model on them and collect the packed log factors (under ``torch.no_grad``).
 
-    ``fixed`` gives some sites their samples instead of drawing them: random guide sites in particle layout (with a
-    guide), or the model's latent sites in model layout (prior proposal)."""
-    K, P = num_samples, max_plate_nesting
-    registry = _Registry(P)
+    The model's plates, sites and gathers come from ``structure`` (:func:`describe_call` of the same call when not
+    given; redone with the guide's subsample indices when the guide drew others). ``max_plate_nesting`` defaults to
+    the structure's. ``fixed`` gives some sites their samples instead of drawing them: random guide sites in
+    particle layout (with a guide), or the model's latent sites in model layout (prior proposal)."""
+    K = num_samples
     values: dict[str, tuple[torch.Tensor, int]] = {}
-    subsamples: dict[str, torch.Tensor] = {}
     guide_info = None
     with torch.no_grad():
+        if structure is None:
+            structure = describe_call(model, args, kwargs)
+        P = structure.max_plate_nesting if max_plate_nesting is None else max_plate_nesting
         if guide is not None:
-            guide_info = _run_guide(guide, args, kwargs, K, P, registry, fixed or {})
-            subsamples = guide_info["subsamples"]
+            guide_info = _run_guide(guide, args, kwargs, K, P, fixed or {})
+            drawn = _subsamples(structure)
+            if any(n not in drawn or not torch.equal(drawn[n], v) for n, v in guide_info["subsamples"].items()):
+                structure = describe_call(model, args, kwargs, guide_info["subsamples"])
             for g, root in enumerate(guide_info["groups"]):
                 dim = -(P + 1 + g)
                 for name in guide_info["groups"][root]["members"]:
-                    info = guide_info["sites"][name]
-                    v = info["value"]
+                    v = guide_info["sites"][name]["value"]
                     v = v.reshape((v.shape[0],) + (1,) * g + tuple(v.shape[1:]))
                     values[name] = (v, dim)
             first_dim = -(P + 1 + len(guide_info["groups"]))
         else:
             first_dim = -(P + 1)
+        subsamples = _subsamples(structure)
+        if guide_info is not None:
+            subsamples.update(guide_info["subsamples"])
         run = _ModelRun(
             num_samples=K,
             first_dim=first_dim,
@@ -625,90 +706,92 @@ def build_factor_graph(
                     "num_samples or subsample the largest plate"
                 ) from e
             raise
-        return _collect(mtrace, run, guide_info, registry, K, P)
+        return _collect(structure, mtrace, run, guide_info, K, P)
 
 
-class TensorTooLargeError(ValueError):
-    """A tensor of the MP importance computation would exceed the memory limit."""
-
-
-def _collect(mtrace, run: _ModelRun, guide_info: dict | None, registry: _Registry, K: int, P: int) -> FactorGraph:
-    indices: OrderedDict[str, IndexVariable] = OrderedDict()
-    dim_to_symbol: dict[int, str] = {}
-    group_symbol: dict[str, str] = {}
-    if guide_info is not None:
-        for g, (root, group) in enumerate(guide_info["groups"].items()):
-            symbol = registry.symbol()
-            dim = -(P + 1 + g)
-            plates = tuple(sorted(group["plates"], key=lambda p: p.dim))
-            indices[symbol] = IndexVariable(symbol, dim, K, plates)
-            dim_to_symbol[dim] = symbol
-            group_symbol[root] = symbol
+def _collect(structure: ModelStructure, mtrace, run: _ModelRun, guide_info: dict | None, K: int, P: int) -> FactorGraph:
+    symbol = _Symbols()
+    plates = {name: info for name, info in structure.plates.items() if info.dim is not None}
     graph = FactorGraph(
         num_samples=K,
         max_plate_nesting=P,
-        plates=registry.plates,
-        indices=indices,
+        structure=structure,
+        plates=plates,
+        symbols={name: symbol() for name in plates},
+        indices=OrderedDict(),
         sites=OrderedDict(),
         factors=[],
-        dim_to_symbol=dim_to_symbol,
+        dim_to_symbol={},
     )
+    indices, dim_to_symbol = graph.indices, graph.dim_to_symbol
+    group_symbol: dict[str, str] = {}
+    if guide_info is not None:
+        for name, info in guide_info["sites"].items():
+            info["plates"] = _plates_of(info.pop("node"), structure, P, f"guide site {name!r}")
+        for g, (root, group) in enumerate(guide_info["groups"].items()):
+            s = symbol()
+            dim = -(P + 1 + g)
+            members = {p for name in group["random"] for p in guide_info["sites"][name]["plates"]}
+            indices[s] = IndexVariable(s, dim, K, graph.sorted_plates(members))
+            dim_to_symbol[dim] = s
+            group_symbol[root] = s
     model_sites = [
         (name, site)
         for name, site in mtrace.nodes.items()
         if site["type"] == "sample" and not isinstance(site["fn"], _Subsample)
     ]
+    site_plates = {name: _plates_of(site, structure, P, f"model site {name!r}") for name, site in model_sites}
     # index variables of the model's own samples (prior proposal) and enumerated sites, in model order
-    for name, site in model_sites:
+    for name, _ in model_sites:
         record = run.records.get(name)
         if record is None or record["kind"] == "guide":
             continue
-        what = f"model site {name!r}"
-        plates = registry.plates_of(site, what)
-        symbol = registry.symbol()
-        size = record.get("size", K)
-        indices[symbol] = IndexVariable(symbol, record["dim"], size, plates, enumerated=record["kind"] == "enumerated")
-        dim_to_symbol[record["dim"]] = symbol
-        record["symbol"] = symbol
+        s = symbol()
+        indices[s] = IndexVariable(
+            s, record["dim"], record.get("size", K), site_plates[name], enumerated=record["kind"] == "enumerated"
+        )
+        dim_to_symbol[record["dim"]] = s
+        record["symbol"] = s
     if len(indices) + P > 60:
         raise StructureError(
             f"{len(indices)} sample dims plus {P} plate dims exceed what torch tensors support; vectorise sites "
             "into plates"
         )
+    pending: list[tuple[str, torch.Tensor, tuple[str, ...], tuple[int, ...], str, str | None]] = []
+    constants: list[Factor] = []
     used_groups = set()
     for name, site in model_sites:
         what = f"model site {name!r}"
-        plates = registry.plates_of(site, what)
-        ordinal = frozenset(p.symbol for p in plates)
+        plates_ = site_plates[name]
         if site["is_observed"]:
             if site["infer"].get("_deterministic"):
                 continue
-            log_p = _site_log_prob(site, what)
-            log_p = _apply_user_scale(log_p, site, plates)
-            graph.factors.append(Factor(name, graph.pack(log_p, plates, what=what), ordinal))
+            if name not in structure.observed:
+                raise StructureError(f"{what} is observed in this run but not in the model's structure")
+            log_p = _apply_user_scale(_site_log_prob(site), site, graph.scale_of(plates_))
+            pending.append((name, log_p, plates_, (), what, name))
             continue
+        latent = structure.latent.get(name)
+        if latent is None:
+            raise StructureError(f"{what} is latent in this run but not in the model's structure")
         record = run.records[name]
         if record["kind"] == "guide":
             root = guide_info["sites"][name]["group"]
-            symbol = group_symbol[root]
+            s = group_symbol[root]
             used_groups.add(root)
         else:
-            symbol = record["symbol"]
-        index = indices[symbol]
+            s = record["symbol"]
+        index = indices[s]
         index.sites.append(name)
         own = (index.dim,)
-        full = _site_log_prob(site, what)
-        log_p = _apply_user_scale(full, site, plates)
-        graph.factors.append(Factor(name, graph.pack(log_p, plates, own, what=what), ordinal))
+        full = _site_log_prob(site)
+        pending.append((name, _apply_user_scale(full, site, graph.scale_of(plates_)), plates_, own, what, name))
         if record["kind"] == "prior":  # proposal density: the diagonal, sample k given sample k of each parent
             n = max(full.dim(), -index.dim)
             full = full.reshape((1,) * (n - full.dim()) + tuple(full.shape))
             log_q = take_diagonal(full, index.dim, record["parents"])
-            proposal = graph.pack(-log_q - math.log(K), plates, own, what=what)
-            graph.factors.append(Factor(f"{name} (proposal)", proposal, ordinal))
-        event_dim = site["fn"].event_dim
-        batch_shape = graph.natural_shape(plates)
-        graph.sites[name] = LatentSite(name, symbol, site["value"], event_dim, plates, batch_shape)
+            pending.append((f"{name} (proposal)", -log_q - math.log(K), plates_, own, what, None))
+        graph.sites[name] = SiteSamples(name, s, site["value"], latent, plates_, graph.natural_shape(plates_))
     if guide_info is not None:
         for name, info in guide_info["sites"].items():
             graph.guide_sites[name] = (info["value"], info["plates"], info["random"])
@@ -729,23 +812,80 @@ def _collect(mtrace, run: _ModelRun, guide_info: dict | None, registry: _Registr
                 log_q = log_q.reshape((1,) * (P + 1 - log_q.dim()) + tuple(log_q.shape))
                 log_q = log_q.reshape((log_q.shape[0],) + (1,) * g + tuple(log_q.shape[1:]))  # K onto the group dim
                 proposal = -log_q
-                if not log_k_done and info["plates"] == index.plates:
+                if not log_k_done and set(info["plates"]) == set(index.plates):
                     proposal, log_k_done = proposal - math.log(K), True
                 elif not bool(proposal.any()):
                     continue  # e.g. the zero log-Jacobian of an AutoNormal site with real support
-                what = f"guide site {member!r}"
-                packed = graph.pack(proposal, info["plates"], (index.dim,), what=what)
-                ordinal = frozenset(p.symbol for p in info["plates"])
-                graph.factors.append(Factor(f"{member} (proposal)", packed, ordinal))
+                pending.append(
+                    (f"{member} (proposal)", proposal, info["plates"], (index.dim,), f"guide site {member!r}", None)
+                )
             if not log_k_done:
-                constant = graph.zeros([index.symbol], index.plates, graph.factors[0].tensor.dtype) - math.log(K)
-                constant._pyro_dims = index.symbol + "".join(p.symbol for p in index.plates)
-                graph.factors.append(Factor(f"{index.symbol} (1/K)", constant, index.ordinal))
+                shape = [index.size] + [graph.size(p) for p in index.plates]
+                constant = torch.full(shape, -math.log(K), dtype=log_q.dtype, device=log_q.device)
+                constant._pyro_dims = index.symbol + "".join(graph.symbols[p] for p in index.plates)
+                constants.append(Factor(f"{index.symbol} (1/K)", constant, graph.ordinal(index.plates)))
+    readers: dict[str, tuple[str, ...]] = {}
+    for _, tensor, plates_, own, what, reader in pending:
+        try:
+            foreign = graph.foreign(tensor, plates_, own, what=what) if reader is not None else {}
+        except StructureError as e:
+            _explain_layout_error(structure, reader, plates_, e)
+            raise
+        if foreign:
+            readers[reader] = tuple(dict.fromkeys(readers.get(reader, ()) + sum(foreign.values(), ())))
+    if readers:
+        graph.gathered = find_gathered_plates(structure, readers, {p: graph.size(p) for p in plates})
+        graph.segments = _segments(graph)
+    for name, tensor, plates_, own, what, reader in pending:
+        packed = graph.pack(tensor, plates_, own, what=what, reader=reader)
+        graph.factors.append(Factor(name, packed, graph.ordinal(plates_)))
+    graph.factors.extend(constants)
     return graph
 
 
-def _apply_user_scale(log_p: torch.Tensor, site, plates: tuple[Plate, ...]) -> torch.Tensor:
-    scale = _user_scale(site, plates)
-    if isinstance(scale, float) and scale == 1.0:
-        return log_p
-    return log_p * scale
+def _explain_layout_error(structure: ModelStructure, name: str, plates: tuple[str, ...], error: StructureError) -> None:
+    """When a site's log density has dims that fit no plate or sample index, the cause is often a read of another
+    plate that no per-element map describes (``a.sum(-1)`` outside the plate, ``locs[..., k]`` with a latent
+    ``k``): raise the structure's explanation of that instead, if it has one."""
+    try:
+        structure.gathers_of(name)
+    except StructureError as problem:
+        try:
+            parents = structure.parents.get(name, ())
+        except StructureError:
+            parents = ()
+        other = sorted({p for a in parents for p in structure.latent[a].plates if p not in plates})
+        where = f" depends on samples drawn per element of plate(s) {other}, and" if other else ""
+        raise StructureError(
+            f"site {name!r} (plates {list(plates)}){where} MPImportance needs each of its elements to read one element "
+            f"of another plate: {problem}"
+        ) from error
+
+
+def _segments(graph: FactorGraph) -> tuple[SegmentSum, ...]:
+    """The steps that sum each gathered plate into its parent, deepest plates first."""
+    order = list(graph.plates)
+    steps = []
+    for plate in sorted(graph.gathered.parents, key=lambda p: (-graph.gathered.depth(p), order.index(p))):
+        parent = graph.gathered.parents[plate]
+        local = frozenset(s for s, i in graph.indices.items() if plate in i.plates)
+        steps.append(
+            SegmentSum(
+                plate=graph.symbols[plate],
+                parent=graph.symbols[parent],
+                index=graph.gathered.maps[plate],
+                size=graph.size(parent),
+                weight=graph.scale(plate) / graph.scale(parent),
+                local=local,
+            )
+        )
+    return tuple(steps)
+
+
+def _apply_user_scale(log_p: torch.Tensor, site, plate_scale: float) -> torch.Tensor:
+    """``log_p`` times the site's ``poutine.scale`` without the plates' subsampling factors (``plate_scale``)."""
+    scale = site["scale"]
+    if isinstance(scale, torch.Tensor):
+        return log_p * (scale / plate_scale)
+    ratio = float(scale) / plate_scale
+    return log_p if abs(ratio - 1.0) < 1e-12 else log_p * ratio

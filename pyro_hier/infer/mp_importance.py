@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 
 import torch
-from pyro import poutine
 
 from pyro_hier.infer.chunking import Pass, run_chunked
 from pyro_hier.infer.contraction import (
@@ -16,14 +14,7 @@ from pyro_hier.infer.contraction import (
     log_contract,
     separators,
 )
-from pyro_hier.infer.factor_graph import (
-    Factor,
-    FactorGraph,
-    LatentSite,
-    Plate,
-    build_factor_graph,
-    guess_max_plate_nesting,
-)
+from pyro_hier.infer.factor_graph import Factor, FactorGraph, SiteSamples, build_factor_graph, describe_call
 
 __all__ = ["MPImportance"]
 
@@ -50,12 +41,29 @@ class MPImportance:
     the density it was actually drawn from. Discrete sites marked ``infer={"enumerate": "parallel"}`` (and absent
     from the guide) are summed exactly over their support instead of sampled.
 
+    **Gathered plates.** Models are usually written with a flat plate of observations that reads its group's
+    effect by an index (``a[..., county]`` in a plate of homes beside the plate of counties). The structure
+    inspector (:func:`~pyro_hier.structure.inspect_model`, run on the call being estimated) finds which element of
+    the group plate each observation reads, and a group's data are the observations whose index points at it: their
+    log densities are summed per group (``index_add`` along the observation plate), an ordinary factor in the group
+    plate, so the contraction stays plated and exact. Index chains (homes → counties → states, with latents in the
+    counties) are eliminated level by level: a county's own sample indices are summed out per county, its state's
+    kept, and the result is summed into the states (:mod:`pyro_hier.infer.gathered`). Crossed plates (an answer
+    reading one student and one question) have no plated form of the sum over the ``K^n`` combinations and are
+    refused with the guide-based route; so are reads that no per-element map describes (a site depending on a
+    whole plate, an index computed from a latent).
+
     **Subsampling.** For a plate with ``B`` of its ``N`` elements present, the product over the plate of the
     per-element sums is raised to the power ``N/B`` (the log of the plate-contracted factor is multiplied by
     ``N/B`` after the log-sum-exp over samples). This equals the estimator on a data set in which every present
     element stands for ``N/B`` elements with the same samples; it is consistent but, like any estimator of a
     product that reads ``B < N`` of its factors, not unbiased for :math:`p(x)` (it is unbiased for
-    :math:`\log \hat P` of the full data when averaged over subsets and there is no latent above the plate).
+    :math:`\log \hat P` of the full data when averaged over subsets and there is no latent above the plate). A
+    factor summed from a gathered plate into its group plate counts its site's total scale divided by the powers of
+    the plates it then lies in: with the groups subsampled by :func:`pyro_hier.plates.gathered_rows` (``m`` of ``J``
+    groups and their rows, the rows' site scaled to ``J/m``) each row counts once inside its group and the groups'
+    product is raised to ``J/m``; with the rows subsampled alone (``B`` of ``M``, all groups present) each row's log
+    density is weighted by ``M/B`` inside its group's sum over samples.
 
     **Posterior quantities by the source-term trick.** Adding a zero-valued factor :math:`J \cdot m(z_i)` to a
     site's factor and differentiating, :math:`\partial \log \hat P / \partial J |_{J=0}` is the self-normalised
@@ -83,14 +91,19 @@ class MPImportance:
         samples = mp.sample_posterior(1000)
         Predictive(model, posterior_samples=samples)(x, None)
 
+        p = radon_mn()                     # a flat plate of homes reading county_effect[..., county]
+        MPImportance(p.model, guide, num_samples=32).run(*p.args, **p.kwargs).moments("county_effect")  # (85,)
+
     :param model: a Pyro model. Plates must be vectorised with explicit ``dim``\ s; variables outside a plate may
-        not depend on variables inside it (as for ``TraceEnum_ELBO``).
+        not depend on variables inside it (as for ``TraceEnum_ELBO``), except through per-element reads of a
+        gathered plate (see above).
     :param guide: the proposal; ``None`` proposes every latent site from its prior conditional. Any guide whose
         latent sites are the model's works, directly or through auxiliary sites (``AutoNormal``,
         :class:`~pyro_hier.AutoBranchGuide` after fitting, hand-written guides whose sites depend on their parents).
         It must support a vectorising plate at dim ``-(max_plate_nesting + 1)``.
     :param num_samples: ``K``, the number of samples per latent site.
-    :param max_plate_nesting: deepest plate dim (guessed from one run of the model and guide if ``None``).
+    :param max_plate_nesting: deepest plate dim (the model's, from :func:`~pyro_hier.structure.inspect_model`, if
+        ``None``).
     :param max_tensor_bytes: largest tensor the contraction may create; the estimate is checked before contracting
         and a :class:`~pyro_hier.infer.TensorTooLargeError` names the factor and suggests a smaller ``K`` or
         chunking. ``None`` disables the check.
@@ -99,7 +112,10 @@ class MPImportance:
         ``subsample_kwarg`` and open the plate with ``pyro.plate(chunk_plate, N, subsample=...)``, like the models of
         :mod:`pyro_hier.problems`. The estimate is the same as without chunking (one pass over all ``N`` elements
         with shared global samples); each chunk's factors are rebuilt from its stored samples when posterior
-        quantities are requested.
+        quantities are requested. A group plate that flat plates gather from can be chunked when the model opens
+        each chunk's rows (:func:`pyro_hier.plates.gathered_rows`, as :func:`pyro_hier.problems.movielens_model`
+        does) and those plates hold observations only; a gathered plate itself, or latent sites in a plate gathered
+        into the chunked one (an index chain), are refused.
     :param chunk_size: elements per chunk (required with ``chunk_plate``).
     :param subsample_kwarg: the keyword through which the chunk's indices are passed (default ``"subsample"``).
 
@@ -167,37 +183,54 @@ class MPImportance:
     # ------------------------------------------------------------------------------------------------------ running
     def run(self, *args, **kwargs) -> MPImportance:
         """Draw ``K`` samples of every latent site, weight all combinations, and return ``self``."""
-        P = self.max_plate_nesting
-        if P is None:
-            P = guess_max_plate_nesting(self.model, self.guide, args, kwargs)
         if self.chunk_plate is None:
             graph = _in_float64(
                 build_factor_graph(
-                    self.model, self.guide, args, kwargs, num_samples=self.num_samples, max_plate_nesting=P
+                    self.model,
+                    self.guide,
+                    args,
+                    kwargs,
+                    num_samples=self.num_samples,
+                    max_plate_nesting=self.max_plate_nesting,
                 )
             )
-            estimate = estimate_contraction(graph.factors, graph.sum_dims)
+            estimate = estimate_contraction(graph.factors, graph.sum_dims, graph.segments)
             check_memory(graph, estimate, self.max_tensor_bytes)
             with torch.no_grad():
-                log_normalizer = log_contract(graph.factors, graph.sum_dims, graph.plate_scales)
+                log_normalizer = log_contract(
+                    graph.factors, graph.sum_dims, graph.plate_scales, segments=graph.segments
+                )
             passes = [
-                Pass(graph, graph.factors, graph.sum_dims, graph.plate_scales, list(graph.indices), list(graph.sites))
+                Pass(
+                    graph,
+                    graph.factors,
+                    graph.sum_dims,
+                    graph.plate_scales,
+                    list(graph.indices),
+                    list(graph.sites),
+                )
             ]
             structure = separators(graph)
         else:
-            graph, passes, log_normalizer, estimate, structure = self._run_chunked(args, kwargs, P)
+            graph, passes, log_normalizer, estimate, structure = self._run_chunked(args, kwargs)
         self._graph, self._estimate, self._passes, self._structure = graph, estimate, passes, structure
         self._dtype = graph.model_dtype or graph.dtype
         self._log_normalizer = log_normalizer.detach()
         self._marginals = self._means = self._sampler = None
         return self
 
-    def _run_chunked(self, args: tuple, kwargs: dict, P: int):
+    def _run_chunked(self, args: tuple, kwargs: dict):
         if kwargs.get(self.subsample_kwarg) is not None:
             raise ValueError(
                 f"chunking over {self.chunk_plate!r} passes {self.subsample_kwarg}=... itself; do not pass it to run()"
             )
-        full_size = _plate_size(self.model, args, kwargs, self.chunk_plate)
+        whole = describe_call(self.model, args, kwargs)
+        if self.chunk_plate not in whole.plates:
+            raise ValueError(
+                f"chunk_plate {self.chunk_plate!r} is not a plate of the model; its plates: {list(whole.plates)}"
+            )
+        full_size = whole.plates[self.chunk_plate].size
+        P = whole.max_plate_nesting if self.max_plate_nesting is None else self.max_plate_nesting
         structure = []
 
         def build(indices: torch.Tensor, fixed: dict | None) -> FactorGraph:
@@ -246,7 +279,7 @@ class MPImportance:
         with size-1 plate dims)."""
         return {name: self.graph.to_natural(site, site.value) for name, site in self.graph.sites.items()}
 
-    def _site(self, name: str) -> LatentSite:
+    def _site(self, name: str) -> SiteSamples:
         site = self.graph.sites.get(name)
         if site is None:
             raise KeyError(f"{name!r} is not a latent site of the model; latent sites: {list(self.graph.sites)}")
@@ -260,10 +293,8 @@ class MPImportance:
         self.graph  # noqa: B018
         return self._log_normalizer.to(self._dtype)
 
-    def _chunk_plate(self, plates: tuple[Plate, ...]) -> Plate | None:
-        if self.chunk_plate is None:
-            return None
-        return next((p for p in plates if p.name == self.chunk_plate), None)
+    def _chunk_plate(self, plates: tuple[str, ...]) -> str | None:
+        return self.chunk_plate if self.chunk_plate in plates else None
 
     def _source_passes(self, make: Callable[[FactorGraph, Pass], list[tuple]]) -> dict:
         """Run ``make(graph, pass)`` -> ``[(key, leaf, factor, finish)]`` on every pass, differentiate ``log P̂`` at
@@ -277,7 +308,9 @@ class MPImportance:
                 continue
             leaves = [leaf for _, leaf, _, _ in items]
             with torch.enable_grad():
-                log_p = log_contract(factors + [f for _, _, f, _ in items], p.sum_dims, p.scales)
+                log_p = log_contract(
+                    factors + [f for _, _, f, _ in items], p.sum_dims, p.scales, segments=graph.segments
+                )
                 grads = torch.autograd.grad(log_p, leaves, allow_unused=True)
             for (key, leaf, _, finish), grad in zip(items, grads):
                 results.setdefault(key, []).append(finish(torch.zeros_like(leaf) if grad is None else grad))
@@ -288,8 +321,10 @@ class MPImportance:
         return out
 
     @staticmethod
-    def _scale(p: Pass, plates: tuple[Plate, ...]) -> float:
-        return math.prod(p.scales.get(plate.symbol, 1.0) for plate in plates)
+    def _scale(graph: FactorGraph, p: Pass, plates: tuple[str, ...]) -> float:
+        """The power to which the pass's contraction raises a factor in ``plates`` (a source term's gradient is
+        that times the posterior quantity)."""
+        return graph.effective_scale(plates, p.scales)
 
     def _moment_item(self, graph: FactorGraph, p: Pass, name: str, fn: Callable | None, key) -> tuple:
         site = graph.sites[name]
@@ -314,21 +349,22 @@ class MPImportance:
         index = graph.indices[site.index]
         packed = graph.pack(term, site.plates, (index.dim,), what=f"moments of {name!r}")
         chunk = self._chunk_plate(site.plates)
-        axis = None if chunk is None else len(site.batch_shape) + chunk.dim
-        scale = self._scale(p, site.plates)
-        return key, source, Factor(f"moments of {name}", packed, site.ordinal), lambda g: (g / scale, axis)
+        axis = None if chunk is None else len(site.batch_shape) + graph.dim(chunk)
+        scale = self._scale(graph, p, site.plates)
+        ordinal = graph.ordinal(site.plates)
+        return key, source, Factor(f"moments of {name}", packed, ordinal), lambda g: (g / scale, axis)
 
     def _marginal_item(self, graph: FactorGraph, p: Pass, symbol: str) -> tuple:
         index = graph.indices[symbol]
         leaf = graph.zeros([symbol], index.plates, graph.dtype).requires_grad_()
         natural = graph.natural_shape(index.plates)
         chunk = self._chunk_plate(index.plates)
-        axis = None if chunk is None else 1 + len(natural) + chunk.dim
-        scale = self._scale(p, index.plates)
+        axis = None if chunk is None else 1 + len(natural) + graph.dim(chunk)
+        scale = self._scale(graph, p, index.plates)
         return (
             ("index", symbol),
             leaf,
-            Factor(f"marginal of {symbol}", leaf, index.ordinal),
+            Factor(f"marginal of {symbol}", leaf, graph.ordinal(index.plates)),
             lambda g: ((g / scale).reshape((index.size, *natural)), axis),
         )
 
@@ -391,31 +427,31 @@ class MPImportance:
                 index = graph.indices[v]
                 leaf = graph.zeros([v, *sep[v]], index.plates, graph.dtype).requires_grad_()
                 chunk = self._chunk_plate(index.plates)
-                axis = None if chunk is None else 1 + len(sep[v]) + P + chunk.dim
+                axis = None if chunk is None else 1 + len(sep[v]) + P + graph.dim(chunk)
                 items.append(
                     (
                         v,
                         leaf,
-                        Factor(f"joint of {v}", leaf, index.ordinal),
-                        self._conditional(index, p, len(sep[v]), axis),
+                        Factor(f"joint of {v}", leaf, graph.ordinal(index.plates)),
+                        self._conditional(graph, index, len(sep[v]), axis),
                     )
                 )
             return items
 
         self._sampler = (order, sep, self._source_passes(make))
 
-    def _conditional(self, index, p: Pass, num_sep: int, axis: int | None) -> Callable:
-        """From the gradient of a joint source term to ``P(k_v | k_sep)`` as ``(size, *sep sizes, *P plate dims)``."""
-        P = self.graph.max_plate_nesting
-        scale = self._scale(p, index.plates)
+    def _conditional(self, graph: FactorGraph, index, num_sep: int, axis: int | None) -> Callable:
+        """From the gradient of a joint source term to ``P(k_v | k_sep)`` as ``(size, *sep sizes, *P plate dims)``
+        (normalised over ``k_v``, so the pass's scale does not matter)."""
+        P = graph.max_plate_nesting
+        plate_shape = [1] * P
+        for plate in index.plates:
+            plate_shape[P + graph.dim(plate)] = graph.size(plate)
 
         def finish(grad: torch.Tensor) -> tuple[torch.Tensor, int | None]:
-            joint = (grad / scale).clamp(min=0)
+            joint = grad.clamp(min=0)
             total = joint.sum(0, keepdim=True)
             cond = torch.where(total > 0, joint / total.clamp(min=torch.finfo(joint.dtype).tiny), 1.0 / index.size)
-            plate_shape = [1] * P
-            for plate in index.plates:
-                plate_shape[P + plate.dim] = plate.size
             return cond.reshape(tuple(cond.shape[: 1 + num_sep]) + tuple(plate_shape)), axis
 
         return finish
@@ -423,10 +459,15 @@ class MPImportance:
     def _index_probs(self, v: str, draws: dict[str, torch.Tensor], num_samples: int) -> torch.Tensor:
         """``P(k_v | k_sep(v))`` at the drawn separator indices: ``(S, *plates_v, size_v)``."""
         _, sep, conditionals = self._sampler
-        P = self.graph.max_plate_nesting
+        graph = self.graph
+        P = graph.max_plate_nesting
         cond = conditionals[v].movedim(0, -1)  # (*sep sizes, *plates, size)
         plate_shape = cond.shape[len(sep[v]) : len(sep[v]) + P]
-        index = tuple(draws[u] for u in sep[v])
+        dims = {p: graph.dim(p) for p in graph.plates}
+        mine = graph.indices[v].plates
+        # a separator drawn per element of a plate that v's plates are gathered into: each element of v's plates
+        # takes the draw of the element it belongs to
+        index = tuple(graph.gathered.pull(draws[u], graph.indices[u].plates, mine, dims) for u in sep[v])
         for j, size in enumerate(plate_shape):
             shape = [1] * (P + 1)
             shape[1 + j] = size
@@ -444,18 +485,18 @@ class MPImportance:
             draws[v] = torch.distributions.Categorical(probs=probs).sample()
         return draws
 
-    def _site_indices(self, site: LatentSite, draw: torch.Tensor) -> torch.Tensor:
+    def _site_indices(self, site: SiteSamples, draw: torch.Tensor) -> torch.Tensor:
         """Draws ``(S, *P plate dims)`` of the site's index variable, at the site's batch shape."""
         P = self.graph.max_plate_nesting
         S, batch = draw.shape[0], tuple(site.batch_shape)
         return draw.expand((S, *(1,) * (P - len(batch)), *batch)).reshape((S, *batch))
 
-    def _index_layout(self, v: str, site: LatentSite, k: torch.Tensor) -> torch.Tensor:
+    def _index_layout(self, v: str, site: SiteSamples, k: torch.Tensor) -> torch.Tensor:
         """Inverse of :meth:`_site_indices`: a site's index draws as ``(S, *P plate dims)`` of its index variable."""
         P = self.graph.max_plate_nesting
         batch = tuple(site.batch_shape)
         k = k.reshape((k.shape[0], *(1,) * (P - len(batch)), *batch))
-        own = {P + p.dim for p in self.graph.indices[v].plates}
+        own = {P + self.graph.dim(p) for p in self.graph.indices[v].plates}
         for j in range(P):
             if j not in own and k.shape[1 + j] != 1:
                 k = k.narrow(1 + j, 0, 1)
@@ -501,18 +542,6 @@ class MPImportance:
             k = k.reshape(tuple(k.shape) + (1,) * site.event_dim).expand((k.shape[0], *samples.shape[1:]))
             out[name] = samples.gather(0, k)
         return out
-
-
-def _plate_size(model: Callable, args: tuple, kwargs: dict, name: str) -> int:
-    """Full size of plate ``name`` (one plain run of the model)."""
-    with torch.no_grad(), poutine.block():
-        trace = poutine.trace(model).get_trace(*args, **kwargs)
-    for site in trace.nodes.values():
-        if site["type"] == "sample":
-            for f in site["cond_indep_stack"]:
-                if f.name == name:
-                    return int(f.full_size if f.full_size is not None else f.size)
-    raise ValueError(f"chunk_plate {name!r} is not a plate of the model")
 
 
 def _in_float64(graph: FactorGraph) -> FactorGraph:
