@@ -23,7 +23,8 @@ from torch import nn
 from pyro_hier.errors import StructureError
 from pyro_hier.local_data import Observation, observation_features
 from pyro_hier.nn import MLP, Standardize, readout_multiplier
-from pyro_hier.plates import PlateCall
+from pyro_hier.plates import PlateCall, element_selection
+from pyro_hier.sparse import select_elements
 from pyro_hier.structure import ModelStructure, PlateLevel
 
 __all__ = ["DeepSetEncoder", "FreeEncoding"]
@@ -56,14 +57,11 @@ class FreeEncoding(nn.Module):
         )
 
     def forward(self, level: str, calls: dict[str, PlateCall]) -> torch.Tensor:
-        """The encodings of ``level`` for the plate elements of this call (``calls``: the model's plates)."""
+        """The encodings of ``level`` for the plate elements of this call (``calls``: the model's plates); their
+        gradient touches only those rows (:func:`pyro_hier.sparse.select_elements`)."""
         spec = self.levels[level]
         enc = self.encodings[_key(level)]
-        for plate, dim in zip(spec.plates, spec.dims):
-            call = calls[plate]
-            if call.subsampled:
-                enc = enc.index_select(dim - 1, call.indices.to(enc.device))
-        return enc
+        return select_elements(enc, element_selection(calls, spec.plates, spec.dims), event_dim=1)
 
 
 class DeepSetEncoder(nn.Module):

@@ -5,8 +5,10 @@ through replay, even when the model asked for specific indices with ``pyro.plate
 (pyro-ppl/pyro#3468). The guides of this package instead ask the model which indices it uses on *this* call:
 :func:`capture_plates` runs the model just far enough to see every plate open, under :func:`pyro.poutine.block` so
 nothing leaks into the caller's traces, and :func:`open_plates` opens the guide's plates with exactly those indices.
-Per-element parameters that are full-size ``PyroParam(..., event_dim=k)`` are then sliced to the right rows by
-Pyro's own :class:`~pyro.poutine.subsample_messenger.SubsampleMessenger`.
+Per-element parameters that are full-size ``PyroParam(..., event_dim=k)`` are then cut to the rows of those indices,
+by :func:`pyro_hier.sparse.select_elements` (with :func:`element_selection`: sparse gradients, so that an optimiser
+can update only the rows used) or by Pyro's own :class:`~pyro.poutine.subsample_messenger.SubsampleMessenger` when a
+guide reads them inside its plates.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ __all__ = [
     "capture_plates",
     "check_plate_sizes",
     "draw_subsamples",
+    "element_selection",
     "gathered_rows",
     "open_plates",
 ]
@@ -159,6 +162,23 @@ def open_plates(calls: dict[str, PlateCall], dims: dict[str, int]) -> dict[str, 
         subsample = call.indices if call.subsampled else None
         plates[name] = pyro.plate(name, call.size, subsample=subsample, dim=dim)
     return plates
+
+
+def element_selection(
+    plates: Mapping[str, pyro.plate | PlateCall], names: Iterable[str], dims: Iterable[int]
+) -> dict[int, torch.Tensor | None]:
+    r"""For :func:`pyro_hier.sparse.select_elements`: each plate's dim mapped to the indices it uses on this call, or
+    ``None`` where it uses all its elements. ``plates`` holds the guide's plates (``pyro.plate``\ s, before or after
+    they are entered) or the model's :class:`PlateCall`\ s; ``names`` and ``dims`` are a level's plates and their
+    dims."""
+    out: dict[int, torch.Tensor | None] = {}
+    for name, dim in zip(names, dims, strict=True):
+        plate = plates[name]
+        if isinstance(plate, PlateCall):
+            out[dim] = plate.indices if plate.subsampled else None
+        else:
+            out[dim] = plate.indices if plate.subsample_size < plate.size else None
+    return out
 
 
 def enter_plates(stack: ExitStack, plates: dict[str, pyro.plate], names: Iterable[str]) -> None:

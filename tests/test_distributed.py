@@ -4,12 +4,14 @@ with 2 CPU processes (gloo, 127.0.0.1 only), checked against a single-process ru
 DDP applies, on every step, the average of the ranks' gradients, i.e. the gradient of ``(1/R) Σ_r L_r`` where
 ``L_r`` is the negative ELBO estimate of rank ``r``'s minibatch (plate scale ``N / B``) with rank ``r``'s seed. The
 single-process reference evaluates exactly those ``R`` losses in turn — the union of the ranks' minibatches, each
-half with the seed its rank used — averages them, and takes one ``torch.optim.Adam`` step. In float64 the two runs
-then agree to rounding: per-step losses, final parameters and buffers. The test also checks that both replicas end
-bitwise identical, that the ranks' minibatches are disjoint, that DDP all-reduces every parameter's full gradient
-(the byte count of its communication hook), and — for the per-group parameters of ``AutoBranchGuide`` — that exactly
-the groups of the ranks' minibatches moved (the guide honours each rank's own subsample indices). A last test runs
-the example the other documented way, under torchrun (``python -m torch.distributed.run``), also on 127.0.0.1.
+half with the seed its rank used — averages them, and takes one ``pyro_hier.optim.LazyAdam`` step. In float64 the
+two runs then agree to rounding: per-step losses, final parameters and buffers. The test also checks that both
+replicas end bitwise identical, that the ranks' minibatches are disjoint, that a step sends the dense gradients of the
+globals and networks (DDP, counted by its communication hook) and only the rank's own rows of the per-group parameters
+(a sparse all-reduce), and — for the per-group parameters of ``AutoBranchGuide`` — that exactly the groups of the ranks'
+minibatches moved (the guide honours each rank's own subsample indices). A last test runs the example the other
+documented way, under torchrun (``python -m torch.distributed.run``), also on 127.0.0.1, with ``torch.optim.Adam``
+(every gradient dense through DDP, the old way).
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ import torch
 from pyro.infer import Trace_ELBO
 
 from pyro_hier import AutoAmortizedBranchGuide, AutoBranchGuide
+from pyro_hier.optim import LazyAdam
 from pyro_hier.problems import synthetic_regression
+from pyro_hier.sparse import element_dims
 
 SCRIPT = Path(__file__).resolve().parents[1] / "tutorials" / "distributed_training.py"
 N, OBS, DIM, BATCH, STEPS, SEED = 48, 5, 2, 6, 3, 0  # 3 steps × 2 ranks × 6 groups: 36 of 48 groups visited
@@ -70,7 +74,7 @@ def single_process(kind: str, problem, ranks: dict[int, dict]) -> dict:
         groups = [{"params": [p for p in guide.parameters() if id(p) not in nets], "lr": LR}]
         if nets:
             groups.append({"params": [p for p in guide.parameters() if id(p) in nets], "lr": NETWORK_LR})
-        optim = torch.optim.Adam(groups)
+        optim = LazyAdam(groups)
         losses, first_grads = [], {}
         for step in range(STEPS):
             per_rank = []
@@ -81,10 +85,19 @@ def single_process(kind: str, problem, ranks: dict[int, dict]) -> dict:
             torch.stack(per_rank).mean().backward()
             if step == 0:  # every parameter got a gradient, so DDP's find_unused_parameters=False is right
                 assert all(p.grad is not None for p in loss_fn.parameters())
-                first_grads = {k: p.grad.detach().clone() for k, p in loss_fn.named_parameters()}
+                first_grads = {k: p.grad.detach().to_dense().clone() for k, p in loss_fn.named_parameters()}
             optim.step()
             losses.append([loss.item() for loss in per_rank])
-        nbytes = sum(p.numel() * p.element_size() for p in guide.parameters())
+        # what a rank sends per step: every dense gradient (DDP), and the indices and values of its own rows of the
+        # per-group parameters (the sparse all-reduce)
+        nbytes = 0
+        for p in guide.parameters():
+            rows = element_dims(p)
+            if rows is None:
+                nbytes += p.numel() * p.element_size()
+            else:
+                row_numel = p[(0,) * rows].numel()
+                nbytes += BATCH * (row_numel * p.element_size() + rows * 8)
         final = {k: v.detach().clone() for k, v in loss_fn.state_dict().items()}
     return {"initial": initial, "final": final, "losses": losses, "first_grads": first_grads, "bytes": nbytes}
 
@@ -130,8 +143,14 @@ def test_two_processes_match_single_process_training(kind, launched):
         moved |= not torch.equal(value, initial[name])
     assert moved, "training did not change any parameter"
 
-    # DDP all-reduces the full dense gradient of every parameter on every step
-    assert ranks[0]["bytes_per_step"] == ref["bytes"]
+    # a step sends every dense gradient and the rank's own rows of the per-group parameters, not all N rows
+    assert ranks[0]["bytes_per_step"] == ranks[1]["bytes_per_step"] == ref["bytes"]
+    if kind == "branch":
+        names = [f"guide.{kind}.groups_unconstrained" for kind in ("locs", "scale_trils", "weights")]
+        assert ranks[0]["element_parameters"] == names
+        assert ref["bytes"] < 0.3 * sum(v.numel() * v.element_size() for v in final.values())
+    else:
+        assert ranks[0]["element_parameters"] == []
 
     if kind == "branch":  # the per-group rows that moved are exactly the groups of the ranks' minibatches
         seen = torch.zeros(N, dtype=torch.bool)
@@ -154,6 +173,7 @@ def test_the_example_runs_under_torchrun():
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2"]
     command += ["--master_addr", "127.0.0.1", "--master_port", str(port), str(SCRIPT)]
     command += ["--groups", "24", "--obs", "3", "--dim", "2", "--batch-size", "4", "--steps", "2"]
+    command += ["--optimizer", "adam"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID")}
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}"

@@ -25,17 +25,24 @@ The pattern (Pyro's ``ELBOModule`` route, as in Pyro's ``examples/svi_lightning.
    guides read the model's own indices on every call (no ``create_plates`` needed), so each rank's per-group
    parameters are sliced to its minibatch and the amortized guide encodes exactly the groups the model observes.
 4. ``loss_fn = Trace_ELBO()(model, guide)``; **one call** materialises the guide's lazily created parameters (and
-   the amortized guide's input statistics, which are buffers); then ``DistributedDataParallel(loss_fn)`` broadcasts
-   rank 0's parameters and buffers to every rank, and on every ``backward`` all-reduces (averages) the gradients.
+   the amortized guide's input statistics, which are buffers).
+5. The per-group parameters (``pyro_hier.sparse.element_parameters(loss_fn)``: ``AutoBranchGuide``'s locations,
+   Cholesky factors and weights) are left out of DDP and broadcast from rank 0 by hand; then
+   ``DistributedDataParallel(loss_fn)`` broadcasts rank 0's other parameters and buffers to every rank, and on every
+   ``backward`` all-reduces (averages) their dense gradients.
+6. ``pyro_hier.optim.LazyAdam`` reads the per-group parameters' gradients as sparse tensors holding only the rows of
+   the rank's minibatch; ``pyro_hier.sparse.all_reduce_sparse_grads`` averages them over the ranks after ``backward``
+   (a sparse all-reduce: each rank sends its own rows), and the optimiser updates only those rows.
 
-What one step communicates: the *full dense gradient of every parameter*, whatever the minibatch. For
-``AutoBranchGuide`` that includes the per-group parameters (``N × (d + d² + d·d_anc)`` numbers for ``"dense"``), of
-which only the rows of the ranks' minibatches are non-zero; for ``AutoAmortizedBranchGuide`` only the networks'
-weights and the globals, independent of ``N``. The script prints the bytes all-reduced per step, counted by a DDP
-communication hook. Every parameter of these guides receives a gradient on every step (rows of groups outside a
-rank's minibatch get exact zeros through the slicing), so ``find_unused_parameters=False`` (the default) is correct
-and cheaper; a custom guide with parameters that some steps do not use needs ``find_unused_parameters=True``. As in
-one process, Adam's momentum keeps moving the rows of groups seen in earlier steps; rows never seen stay put.
+What one step communicates: the dense gradient of the globals and networks (DDP), and each rank's own rows of the
+per-group parameters (``B × (d + d² + d·d_anc)`` numbers for ``"dense"``, with their indices), so the traffic grows
+with the minibatch, not with the number of groups. ``--optimizer adam`` shows the old way instead: ``torch.optim.Adam``
+takes dense gradients only, so every parameter goes through DDP and a step all-reduces ``N × (d + d² + d·d_anc)``
+numbers, all zero but the minibatches' rows. The script prints the bytes each rank sends per step (DDP's buckets,
+counted by a communication hook, plus the sparse rows). Every parameter of these guides receives a gradient on every
+step, so ``find_unused_parameters=False`` (the default) is correct and cheaper; a custom guide with parameters that
+some steps do not use needs ``find_unused_parameters=True``. A row not in any rank's minibatch stays as it is (LazyAdam
+leaves rows not seen untouched; with ``--optimizer adam`` Adam's momentum keeps moving rows seen in earlier steps).
 
 Equivalence: with ``L_r`` the loss of rank ``r`` (its plate scale ``N / B_r``), DDP applies the gradient of
 ``(1/R) Σ_r L_r``: the local terms of the union of the minibatches at scale ``N / (R B)`` — the ordinary minibatch
@@ -62,7 +69,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
 from pyro_hier import AutoAmortizedBranchGuide, AutoBranchGuide
+from pyro_hier.optim import LazyAdam
 from pyro_hier.problems import synthetic_regression
+from pyro_hier.sparse import all_reduce_sparse_grads, element_parameters
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -86,6 +95,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--network-lr", type=float, default=1e-3, help="Adam step of the networks (amortized)")
     parser.add_argument("--feature-net", default="64,64,64,128", help="feature network sizes (amortized)")
     parser.add_argument("--param-net", default="256,256,256", help="parameter network sizes (amortized)")
+    parser.add_argument(
+        "--optimizer",
+        choices=["lazy", "adam"],
+        default="lazy",
+        help="lazy: pyro_hier.optim.LazyAdam, per-group rows sparse and out of DDP (default);\n"
+        "adam: torch.optim.Adam, every gradient dense through DDP",
+    )
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
@@ -117,13 +133,14 @@ def make_guide(kind: str, args: argparse.Namespace, problem) -> AutoBranchGuide:
 
 
 def make_optimizer(args: argparse.Namespace, guide: AutoBranchGuide) -> torch.optim.Optimizer:
-    """``torch.optim.Adam``; the amortized guide's networks get ``--network-lr`` (a parameter group of their own)."""
+    """``pyro_hier.optim.LazyAdam`` (or ``torch.optim.Adam`` with ``--optimizer adam``); the amortized guide's networks
+    get ``--network-lr`` (a parameter group of their own)."""
     nets = list(guide.nets.parameters()) if isinstance(guide, AutoAmortizedBranchGuide) else []
     ids = {id(p) for p in nets}
     groups = [{"params": [p for p in guide.parameters() if id(p) not in ids], "lr": args.lr}]
     if nets:
         groups.append({"params": nets, "lr": args.network_lr})
-    return torch.optim.Adam(groups)
+    return LazyAdam(groups) if args.optimizer == "lazy" else torch.optim.Adam(groups)
 
 
 def step_seed(seed: int, step: int, rank: int, world_size: int) -> int:
@@ -142,7 +159,7 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
     summary = [fit(kind, rank, world_size, args, problem) for kind in args.guide]
     if rank == 0:
         print(f"\nN = {args.groups} groups, D = {args.dim}, {world_size} processes × {args.batch_size} groups a step")
-        print(f"{'guide':<24}{'parameters':>12}{'all-reduced/step':>20}{'ms/step':>10}  replicas identical")
+        print(f"{'guide':<24}{'parameters':>12}{'sent/step (rank 0)':>20}{'ms/step':>10}  replicas identical")
         for kind, num_params, nbytes, ms, identical in summary:
             name = f"{kind} ({args.covariance})"
             print(f"{name:<24}{num_params:>12,}{nbytes:>14,} bytes{ms:>10.1f}  {identical}")
@@ -163,8 +180,14 @@ def fit(kind: str, rank: int, world_size: int, args: argparse.Namespace, problem
     guide = make_guide(kind, args, problem)
     loss_fn = Trace_ELBO()(problem.model, guide)
     loss_fn(*problem.args, subsample=setup_batch)  # one call creates the guide's parameters before DDP wraps it
+    # per-group parameters: out of DDP (their gradients are sparse), rank 0's values broadcast by hand
+    rows = element_parameters(loss_fn) if args.optimizer == "lazy" else {}
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(loss_fn, list(rows))
+    for p in rows.values():
+        tdist.broadcast(p.data, src=0)
     ddp = DistributedDataParallel(loss_fn, find_unused_parameters=False)  # broadcasts rank 0's parameters, buffers
     initial = {k: v.detach().clone() for k, v in loss_fn.state_dict().items()}
+    optim = make_optimizer(args, guide)  # before the first backward: LazyAdam then gets sparse gradients from step 1
     communicated = [0]
 
     def counting_allreduce(state, bucket):  # DDP's own averaging all-reduce, with the payload counted
@@ -172,7 +195,6 @@ def fit(kind: str, rank: int, world_size: int, args: argparse.Namespace, problem
         return allreduce_hook(state, bucket)
 
     ddp.register_comm_hook(None, counting_allreduce)
-    optim = make_optimizer(args, guide)
 
     total = args.epochs * len(loader) if args.steps is None else args.steps
     batches, seeds, losses, first_grads = [], [], [], {}
@@ -188,9 +210,10 @@ def fit(kind: str, rank: int, world_size: int, args: argparse.Namespace, problem
         pyro.set_rng_seed(seed)
         loss = ddp(*problem.args, subsample=idx)  # this rank's minibatch; plate scale N / len(idx)
         optim.zero_grad()
-        loss.backward()  # the gradients are averaged over the ranks here
+        loss.backward()  # DDP averages the dense gradients over the ranks here
+        communicated[0] += all_reduce_sparse_grads(rows.values())  # and this the per-group rows
         if step == 0:
-            first_grads = {k: p.grad.detach().clone() for k, p in loss_fn.named_parameters()}
+            first_grads = {k: p.grad.detach().to_dense().clone() for k, p in loss_fn.named_parameters()}
         optim.step()
         batches.append(idx)
         seeds.append(seed)
@@ -212,6 +235,7 @@ def fit(kind: str, rank: int, world_size: int, args: argparse.Namespace, problem
         (args.save / kind).mkdir(parents=True, exist_ok=True)
         record = {"state": state, "initial": initial, "first_grads": first_grads, "setup_batch": setup_batch}
         record.update(batches=batches, seeds=seeds, losses=losses, bytes_per_step=nbytes, world_size=world_size)
+        record.update(element_parameters=sorted(rows))
         torch.save(record, args.save / kind / f"rank{rank}.pt")
     return kind, sum(p.numel() for p in ddp.parameters()), nbytes, ms, identical
 

@@ -612,9 +612,11 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
     def _device(self) -> torch.device:
         return next(self.nets.parameters()).device
 
-    def _level_params(self, level: PlateLevel) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def _level_params(
+        self, level: PlateLevel, plates: dict | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         if level.name not in self.amortized_levels:
-            return super()._level_params(level)
+            return super()._level_params(level, plates)
         if self._decoded is None:
             raise RuntimeError(
                 f"level '{level.name}' is amortized: its parameters depend on data. Call the guide, median, "

@@ -15,7 +15,8 @@ from torch.distributions import constraints
 
 from pyro_hier.distributions import StickingTheLanding
 from pyro_hier.guides.base import HierarchicalGuide
-from pyro_hier.plates import enter_plates
+from pyro_hier.plates import element_selection, enter_plates
+from pyro_hier.sparse import select_elements
 from pyro_hier.structure import ModelStructure, PlateLevel
 from pyro_hier.transforms import prox_positive, prox_positive_inv, raw_from_scale_tril, scale_tril_from_raw
 
@@ -52,15 +53,17 @@ class AutoBranchGuide(HierarchicalGuide):
 
     Per-element parameters have the plates' **full** sizes and are ``PyroParam``\ s with an ``event_dim``, so the
     model's own subsample indices (``pyro.plate(name, N, subsample=idx)``, honoured automatically) slice them; the
-    minibatch ELBO is then the unbiased estimator of the paper's eq. 10. Parameters of groups outside the minibatch
-    get exactly zero gradient (plain SGD leaves them untouched; Adam's momentum still moves the groups seen in
-    earlier steps, as for any optimiser with state). Memory and optimiser work grow with the number of groups —
-    ``d²`` numbers per group for ``"dense"`` — which is what ``AutoAmortizedBranchGuide`` avoids.
+    minibatch ELBO is then the unbiased estimator of the paper's eq. 10. The guide selects the minibatch's rows itself
+    (:func:`pyro_hier.sparse.select_elements`): with :class:`pyro_hier.optim.LazyAdam` (``pyro_hier.optim.Adam`` /
+    ``ClippedAdam`` for ``SVI``) their gradient is sparse and a step reads and writes only the minibatch's rows, so its
+    cost does not grow with the number of groups; other optimisers get the usual dense gradient, zero outside the
+    minibatch (Adam's momentum then still moves the groups seen in earlier steps). Memory grows with the number of
+    groups — ``d²`` numbers per group for ``"dense"`` — which is what ``AutoAmortizedBranchGuide`` avoids.
 
     Example::
 
         guide = AutoBranchGuide(model)                     # instead of AutoNormal(model)
-        svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.01}), Trace_ELBO())
+        svi = SVI(model, guide, pyro_hier.optim.Adam({"lr": 0.01}), Trace_ELBO())  # or pyro.optim.Adam
         for step in range(2000):
             svi.step(x, y, subsample=torch.randperm(N)[:100])
         guide.median(x, y); guide.quantiles([0.05, 0.95], x, y)
@@ -134,12 +137,14 @@ class AutoBranchGuide(HierarchicalGuide):
     def _is_diagonal(self, level: PlateLevel) -> bool:
         return self.covariance == "diagonal"  # every level, globals included
 
-    def _ancestor_params(self, level: PlateLevel) -> tuple[torch.Tensor, torch.Tensor]:
+    def _ancestor_params(
+        self, level: PlateLevel, plates: dict[str, pyro.plate] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Concatenated locations and row scales of the level's ancestors (each ancestor's parameters built once)."""
         locs, scales = [], []
         for a in level.ancestors:
             ancestor = self._levels[a]
-            loc, _, scale = self._level_params(ancestor)
+            loc, _, scale = self._level_params(ancestor, plates)
             locs.append(loc)
             scales.append(self._row_scale(ancestor, scale))
         return _concat_broadcast(locs), _concat_broadcast(scales)
@@ -154,8 +159,21 @@ class AutoBranchGuide(HierarchicalGuide):
         """The diagonal of the level's Cholesky factor ``scale`` (which is the vector of sds for ``"diagonal"``)."""
         return scale if self._is_diagonal(level) else scale.diagonal(dim1=-2, dim2=-1)
 
-    def _level_params(self, level: PlateLevel) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """``(loc, weight, scale)`` of a level in the guide's internal, well-conditioned form.
+    def _element_param(
+        self, params: PyroModule, level: PlateLevel, plates: dict[str, pyro.plate] | None, event_dim: int
+    ) -> torch.Tensor:
+        """The level's parameter in ``params``, cut to the elements of ``plates`` (full size for ``None``). Read it
+        outside the plates: inside, Pyro's plates would slice it too."""
+        value = getattr(params, level.name)
+        if plates is None or not level.plates:
+            return value
+        return select_elements(value, element_selection(plates, level.plates, level.dims), event_dim)
+
+    def _level_params(
+        self, level: PlateLevel, plates: dict[str, pyro.plate] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """``(loc, weight, scale)`` of a level in the guide's internal, well-conditioned form, for the elements of the
+        guide's ``plates`` on this call (``None``: at full plate size).
 
         The guide samples ``u = loc + weight @ ((u_anc - loc_anc) / s_anc) + L ε`` with ``weight = diag(s) W``:
         ``loc`` is the level's marginal mean and the free weight ``W`` is dimensionless (own sds per ancestor
@@ -163,14 +181,14 @@ class AutoBranchGuide(HierarchicalGuide):
         order one — plain SGD on the paper's ``(μ_i, A_i)`` is badly conditioned. ``scale`` is ``L`` (the vector of
         sds for ``"diagonal"``), with off-diagonals relative to the rows' scales (see
         :func:`~pyro_hier.transforms.scale_tril_from_raw`). :meth:`conditional` gives the paper's form."""
-        loc = getattr(self.locs, level.name)
+        loc = self._element_param(self.locs, level, plates, 1)
         if self._is_diagonal(level):
-            scale = prox_positive(getattr(self.scales, level.name))
+            scale = prox_positive(self._element_param(self.scales, level, plates, 1))
         else:
-            scale = scale_tril_from_raw(getattr(self.scale_trils, level.name))
+            scale = scale_tril_from_raw(self._element_param(self.scale_trils, level, plates, 2))
         weight = None
         if self._is_conditional(level):
-            weight = self._row_scale(level, scale).unsqueeze(-1) * getattr(self.weights, level.name)
+            weight = self._row_scale(level, scale).unsqueeze(-1) * self._element_param(self.weights, level, plates, 2)
         return loc, weight, scale
 
     def conditional(self, level: str) -> dict[str, torch.Tensor | None]:
@@ -210,12 +228,15 @@ class AutoBranchGuide(HierarchicalGuide):
         getattr(self.locs, level).copy_(loc)
 
     # ---- sampling -----------------------------------------------------------------------------------------------
-    def _level_distribution(self, level: PlateLevel, values: dict[str, torch.Tensor]) -> dist.TorchDistribution:
-        params = self._level_params(level)
+    def _level_distribution(
+        self, level: PlateLevel, values: dict[str, torch.Tensor], plates: dict[str, pyro.plate]
+    ) -> dist.TorchDistribution:
+        """q of the level's elements on this call (``values``: the ancestors' draws). Built outside the plates."""
+        params = self._level_params(level, plates)
         u_anc = None
         if params[1] is not None:
             u_anc = _concat_broadcast([values[a] for a in level.ancestors])
-            params += self._ancestor_params(level)
+            params += self._ancestor_params(level, plates)
 
         def build(loc, weight=None, scale=None, anc_loc=None, anc_scale=None):
             if weight is not None:
@@ -236,13 +257,10 @@ class AutoBranchGuide(HierarchicalGuide):
         values: dict[str, torch.Tensor] = {}
         result: dict[str, torch.Tensor] = {}
         for level in self.levels:
+            q = self._level_distribution(level, values, plates)  # parameters read (and cut) outside the plates
             with ExitStack() as stack:
                 enter_plates(stack, plates, level.plates)
-                u = pyro.sample(
-                    f"_{self._pyro_name}_{level.name}_unconstrained",
-                    self._level_distribution(level, values),
-                    infer={"is_auxiliary": True},
-                )
+                u = pyro.sample(f"_{self._pyro_name}_{level.name}_unconstrained", q, infer={"is_auxiliary": True})
                 values[level.name] = u
                 for name in level.sites:
                     result[name] = self._emit(name, self._site_unconstrained(level, name, u))

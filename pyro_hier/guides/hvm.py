@@ -54,7 +54,8 @@ from torch.distributions import constraints, register_kl
 from pyro_hier.errors import StructureError
 from pyro_hier.guides.base import HierarchicalGuide, _strip_trailing_ones, empirical_quantiles
 from pyro_hier.guides.branch import _concat_broadcast
-from pyro_hier.plates import enter_plates
+from pyro_hier.plates import element_selection, enter_plates
+from pyro_hier.sparse import select_elements
 from pyro_hier.structure import LatentSite, ModelStructure
 from pyro_hier.transforms import prox_positive, prox_positive_inv
 
@@ -639,16 +640,44 @@ class AutoHierarchicalVM(HierarchicalGuide):
                 layers.append(T.spline_autoregressive(d, hidden_dims=[self.flow_hidden], count_bins=8, bound=4.0))
         return nn.ModuleList(layers)
 
-    # ---- the distributions --------------------------------------------------------------------------------------
-    def _prior(self, level: _Level) -> TorchDistribution:
-        """``q(λ; θ)`` of the level's elements (sliced to the current subsample by the plates)."""
+    # ---- the free parameters of a level ------------------------------------------------------------------------
+    def _element_params(self, level: _Level, plates: dict[str, pyro.plate] | None = None) -> dict[str, torch.Tensor]:
+        """Every free parameter of the level (``prior_params`` and ``aux_params``, by attribute name), cut to the
+        elements of the guide's ``plates`` on this call (:func:`~pyro_hier.sparse.select_elements`: sparse gradients
+        for :class:`~pyro_hier.optim.LazyAdam`); full size for ``None``. Read outside the plates, which would slice
+        them too."""
         name = level.name
+        keys = [(self.prior_params, f"{name}_{k}") for k in self._prior_keys()]
+        if level.numel > 1 and self.prior == "flow":
+            keys.append((self.aux_params, f"{name}_mix"))
+        keys += [(self.aux_params, f"{spec.name}_{w}") for spec in level.sites for w in ("mean", "logscale")]
+        selection = None
+        if plates is not None and level.plates:
+            assert self.structure is not None
+            dims = [self.structure.plates[p].dim for p in level.plates]
+            selection = element_selection(plates, level.plates, dims)
+        out = {}
+        for params, attr in keys:
+            value = getattr(params, attr)
+            if selection is not None:
+                value = select_elements(value, selection, params._pyro_params[attr][1])
+            out[attr] = value
+        return out
+
+    def _prior_keys(self) -> tuple[str, ...]:
+        return ("locs", "scales", "logits") if self.prior == "mixture" else ("loc", "scale")
+
+    # ---- the distributions --------------------------------------------------------------------------------------
+    def _prior(self, level: _Level, params: dict[str, torch.Tensor] | None = None) -> TorchDistribution:
+        """``q(λ; θ)`` of the level's elements (``params``: :meth:`_element_params`, full size by default)."""
+        name = level.name
+        params = self._element_params(level) if params is None else params
         if self.prior == "mixture":
-            locs = getattr(self.prior_params, f"{name}_locs")
-            scales = prox_positive(getattr(self.prior_params, f"{name}_scales"))
-            return ImplicitMixtureOfDiagNormals(locs, scales, getattr(self.prior_params, f"{name}_logits"))
-        loc = getattr(self.prior_params, f"{name}_loc")
-        scale = prox_positive(getattr(self.prior_params, f"{name}_scale"))
+            locs = params[f"{name}_locs"]
+            scales = prox_positive(params[f"{name}_scales"])
+            return ImplicitMixtureOfDiagNormals(locs, scales, params[f"{name}_logits"])
+        loc = params[f"{name}_loc"]
+        scale = prox_positive(params[f"{name}_scale"])
         base = dist.Normal(torch.zeros_like(loc), torch.ones_like(loc)).to_event(1)
         transforms: list = []
         for i, layer in enumerate(self.flows[name]):
@@ -658,10 +687,13 @@ class AutoHierarchicalVM(HierarchicalGuide):
         transforms.append(T.AffineTransform(loc, scale, event_dim=1))
         return dist.TransformedDistribution(base, transforms)
 
-    def _inverse_flow(self, level: _Level, lam: torch.Tensor) -> torch.Tensor:
+    def _inverse_flow(
+        self, level: _Level, lam: torch.Tensor, params: dict[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
         if level.numel == 1 or self.prior != "flow":
             return lam
-        mix = getattr(self.aux_params, f"{level.name}_mix").tril(-1)
+        params = self._element_params(level) if params is None else params
+        mix = params[f"{level.name}_mix"].tril(-1)
         return lam + (mix @ lam.unsqueeze(-1)).squeeze(-1)
 
     def _block(self, level: _Level, spec: _SiteSpec, x: torch.Tensor) -> torch.Tensor:
@@ -673,25 +705,34 @@ class AutoHierarchicalVM(HierarchicalGuide):
         return block.reshape(lead + spec.elem_shape + (spec.num_params,))
 
     def _site_distribution(
-        self, level: _Level, spec: _SiteSpec, lam: torch.Tensor, lam0: torch.Tensor, values: dict[str, torch.Tensor]
+        self,
+        level: _Level,
+        spec: _SiteSpec,
+        lam: torch.Tensor,
+        lam0: torch.Tensor,
+        values: dict[str, torch.Tensor],
+        element_params: dict[str, torch.Tensor] | None = None,
     ) -> HVMSiteDistribution:
         """The site's :class:`HVMSiteDistribution`. ``values`` holds the element's earlier sites (unconstrained for
         continuous ones): the mixture prior's ``r`` needs the whole element, so its ``log r`` sits on the level's
-        last site (earlier sites carry none); the flow prior's factorised ``r`` puts each site's terms on it."""
+        last site (earlier sites carry none); the flow prior's factorised ``r`` puts each site's terms on it.
+        ``element_params``: :meth:`_element_params` (full size by default)."""
+        if element_params is None:
+            element_params = self._element_params(level)
         params = self._block(level, spec, lam)
         if self.prior == "mixture":
             if spec is not level.sites[-1]:
                 return HVMSiteDistribution(spec.likelihood(params), lambda z: z.new_zeros(()))
 
-            fixed = self._mixture_r_params(level)  # read now: parameters are sliced to the plates' subsample here
+            fixed = self._mixture_r_params(level, element_params)
 
             def log_r(z: torch.Tensor) -> torch.Tensor:
                 return self._log_r_mixture(level, lam, {**values, spec.name: z}, fixed)
 
             return HVMSiteDistribution(spec.likelihood(params), log_r)
         target = self._block(level, spec, lam0)
-        mean_w = getattr(self.aux_params, f"{spec.name}_mean")
-        scale_w = getattr(self.aux_params, f"{spec.name}_logscale")
+        mean_w = element_params[f"{spec.name}_mean"]
+        scale_w = element_params[f"{spec.name}_logscale"]
         event_dim = spec.event_dim
 
         def log_r(z: torch.Tensor) -> torch.Tensor:
@@ -703,16 +744,16 @@ class AutoHierarchicalVM(HierarchicalGuide):
 
         return HVMSiteDistribution(spec.likelihood(params), log_r)
 
-    def _mixture_r_params(self, level: _Level) -> dict[str, torch.Tensor]:
+    def _mixture_r_params(self, level: _Level, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         name = level.name
         out = {
-            "locs": getattr(self.prior_params, f"{name}_locs"),
-            "scales": prox_positive(getattr(self.prior_params, f"{name}_scales")),
-            "log_pi": torch.log_softmax(getattr(self.prior_params, f"{name}_logits"), -1),
+            "locs": params[f"{name}_locs"],
+            "scales": prox_positive(params[f"{name}_scales"]),
+            "log_pi": torch.log_softmax(params[f"{name}_logits"], -1),
         }
         for spec in level.sites:
             for weight in ("mean", "logscale"):
-                out[f"{spec.name}_{weight}"] = getattr(self.aux_params, f"{spec.name}_{weight}")
+                out[f"{spec.name}_{weight}"] = params[f"{spec.name}_{weight}"]
         return out
 
     def _log_r_mixture(
@@ -770,15 +811,16 @@ class AutoHierarchicalVM(HierarchicalGuide):
         plates = self._create_plates(*args, **kwargs)
         result: dict[str, torch.Tensor] = {}
         for level in self.levels:
+            params = self._element_params(level, plates)  # read (and cut to the subsample) outside the plates
             with ExitStack() as stack:
                 enter_plates(stack, plates, level.plates)
                 lam = pyro.sample(
-                    f"_{self._pyro_name}_{level.name}_lambda", self._prior(level), infer={"is_auxiliary": True}
+                    f"_{self._pyro_name}_{level.name}_lambda", self._prior(level, params), infer={"is_auxiliary": True}
                 )
-                lam0 = self._inverse_flow(level, lam)
+                lam0 = self._inverse_flow(level, lam, params)
                 values: dict[str, torch.Tensor] = {}
                 for spec in level.sites:
-                    fn = self._site_distribution(level, spec, lam, lam0, values)
+                    fn = self._site_distribution(level, spec, lam, lam0, values, params)
                     if spec.continuous:
                         u = self._sample_site(
                             f"_{self._pyro_name}_{spec.name}_unconstrained", fn, {"is_auxiliary": True}
