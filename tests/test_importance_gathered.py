@@ -378,3 +378,38 @@ def test_index_computed_from_a_latent_is_refused_naming_the_site_and_plate():
         r"of plate\(s\) \['components'\].*index computed from the latent site\(s\) \['k'\]",
     ):
         MPImportance(model, num_samples=4).run(Y)
+
+
+def test_chain_read_that_disagrees_with_the_parent_is_refused():
+    """A home reading a state other than its county's cannot be summed into its county."""
+    wrong_state = CS[CH].clone()
+    wrong_state[3] = 1 - wrong_state[3]
+
+    def model(y):
+        with pyro.plate("states", 2, dim=-1):
+            s = pyro.sample("s", Normal(y.new_zeros(()), 1.0))
+        with pyro.plate("counties", 3, dim=-1):
+            c = pyro.sample("c", Normal(s[..., CS], 1.0))
+        with pyro.plate("homes", 5, dim=-1):
+            pyro.sample("y", Normal(c[..., CH] + s[..., wrong_state], 1.0), obs=y)
+
+    with pytest.raises(
+        StructureError,
+        match=r"element 3 of plate 'homes' reads element \d of plate 'states'.*the state "
+        r"of a home must be the state of its county",
+    ):
+        MPImportance(model, num_samples=2).run(YH)
+
+
+def test_two_reads_of_one_plate_by_different_indices_are_refused():
+    other = (GROUP + 1) % G
+
+    def model(y):
+        with pyro.plate("groups", G, dim=-1):
+            z = pyro.sample("z", Normal(y.new_zeros(()), 1.0))
+        with pyro.plate("obs", len(GROUP), dim=-1):
+            pyro.sample("y", Normal(z[..., GROUP], 1.0), obs=y)
+            pyro.sample("y2", Normal(z[..., other], 1.0), obs=y)
+
+    with pytest.raises(StructureError, match=r"element 0 of plate 'obs' reads element 2 of plate 'groups' in site 'y'"):
+        MPImportance(model, num_samples=2).run(Y)

@@ -232,15 +232,25 @@ class MPImportance:
         full_size = whole.plates[self.chunk_plate].size
         P = whole.max_plate_nesting if self.max_plate_nesting is None else self.max_plate_nesting
         structure = []
+        described = {}  # each chunk's call is described once, also when it is rebuilt for posterior quantities
 
         def build(indices: torch.Tensor, fixed: dict | None) -> FactorGraph:
             kw = dict(kwargs)
             kw[self.subsample_kwarg] = indices
+            key = (int(indices[0]), len(indices))
             graph = _in_float64(
                 build_factor_graph(
-                    self.model, self.guide, args, kw, num_samples=self.num_samples, max_plate_nesting=P, fixed=fixed
+                    self.model,
+                    self.guide,
+                    args,
+                    kw,
+                    num_samples=self.num_samples,
+                    max_plate_nesting=P,
+                    fixed=fixed,
+                    structure=described.get(key),
                 )
             )
+            described[key] = graph.structure
             if not structure:
                 structure.append(separators(graph))
             return graph
