@@ -37,14 +37,14 @@ def flat_model(y, subsample=None, obs_subsample=None):
     group = sel.group if obs_subsample is None else GROUP[obs_subsample]
     take = (lambda t: t) if rows is None else (lambda t: t[rows])
     with pyro.plate("obs", len(GROUP), dim=-1, subsample=rows), poutine.scale(scale=sel.scale):
-        pyro.sample("y", Normal(z[..., group] + 0.3 * take(XC), 1.0), obs=take(y))
+        pyro.sample("y", Normal(z[..., group] + 0.3 * take(XC.to(y)), 1.0), obs=take(y))
 
 
 def flat_guide(y, subsample=None, obs_subsample=None):
     """q(mu) q(z_g | mu): each z sample is drawn given the mu sample of the same index."""
     mu = pyro.sample("mu", Normal(y.new_tensor(0.4), 0.8))
     with pyro.plate("groups", G, dim=-1, subsample=subsample) as idx:
-        pyro.sample("z", Normal(0.5 * mu + OFF[idx], 0.7))
+        pyro.sample("z", Normal(0.5 * mu + OFF.to(y)[idx], 0.7))
 
 
 def p_normal(loc, scale, value):
@@ -104,6 +104,21 @@ def test_brute_force_gathered(proposal):
     combos = all_combinations(K, 1 + G)
     lp = mp.log_prob_indices({"mu": combos[:, 0], "z": combos[:, 1:]})
     assert torch.allclose(lp, lw.reshape(-1) - log_p, atol=1e-6)
+
+
+def test_float32_gathered_model_matches_the_float64_brute_force():
+    K = 3
+    pyro.set_rng_seed(1)
+    mp = MPImportance(flat_model, flat_guide, num_samples=K).run(Y.float())
+    assert mp.get_log_normalizer().dtype == torch.float32 and mp.moments("z").dtype == torch.float32
+    as64 = type(
+        "S", (), {"num_samples": K, "proposal_samples": {k: v.double() for k, v in mp.proposal_samples.items()}}
+    )
+    lw, _, _ = two_level_table(as64, True, [(g, g) for g in range(G)], [1.0] * len(GROUP))
+    log_p = lw.logsumexp(tuple(range(lw.dim())))
+    assert abs(float(mp.get_log_normalizer()) - float(log_p)) < 1e-4
+    wz = torch.stack([marginal((lw - log_p).exp(), 1 + g) for g in range(G)], -1)
+    assert torch.allclose(mp.marginal_weights("z").double(), wz, atol=1e-5)
 
 
 def test_brute_force_groups_subsampled_with_gathered_rows():
