@@ -36,9 +36,7 @@ DEMO_GUIDES: dict[str, Callable] = {
     "AutoBranchGuide dense": lambda p: AutoBranchGuide(p.model, covariance="dense"),
     "AutoBranchGuide block": lambda p: AutoBranchGuide(p.model, covariance="block"),
     "AutoBranchGuide diagonal": lambda p: AutoBranchGuide(p.model, covariance="diagonal"),
-    "AutoAmortizedBranchGuide": lambda p: AutoAmortizedBranchGuide(
-        p.model, local_features=p.local_features, local_data=p.local_data
-    ),
+    "AutoAmortizedBranchGuide": lambda p: AutoAmortizedBranchGuide(p.model, local_features=p.local_features),
     "PAVI free": lambda p: AutoPlateAmortizedFlow(p.model, encoder="free", encoding_size=8, stick_the_landing=True),
     "PAVI deepset": lambda p: AutoPlateAmortizedFlow(
         p.model, encoder="deepset", encoding_size=8, local_features=p.local_features, stick_the_landing=True

@@ -56,7 +56,7 @@ from torch.overrides import TorchFunctionMode
 
 from pyro_hier.errors import StructureError
 
-__all__ = ["Gather", "GatherTrace", "trace_gathers"]
+__all__ = ["Gather", "GatherTrace", "keep_random_state", "trace_gathers"]
 
 
 @dataclass(frozen=True)
@@ -300,6 +300,16 @@ def _uniform(shape, generator: torch.Generator) -> torch.Tensor:
     return 1.0 + torch.rand(shape, generator=generator, dtype=torch.float64)
 
 
+@contextmanager
+def keep_random_state():
+    """Run model calls that only inspect the model without moving the caller's random state (an init strategy
+    such as ``init_to_feasible`` draws from the prior), so that a guide draws the same numbers whatever its data
+    layout costs in inspection runs."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+
+
 def trace_gathers(
     model: Callable,
     args: tuple = (),
@@ -316,8 +326,9 @@ def trace_gathers(
     """Find which element(s) of which other plates every site of one call of ``model`` reads.
 
     The model runs hidden from every outer handler, ``2 + digits`` times per plated continuous latent site (one more
-    with ``verify``, one more for ``check_latent_indices``). Latent values and plate subsamples are recorded on the
-    first run (or taken from ``values`` / ``subsamples``) and replayed in the others, so the call is deterministic.
+    with ``verify``, one more for ``check_latent_indices``), and the caller's random state is left as it was. Latent
+    values and plate subsamples are recorded on the first run (or taken from ``values`` / ``subsamples``) and replayed
+    in the others, so the call is deterministic.
 
     :param model: a Pyro model.
     :param args: positional arguments of the call.
@@ -338,6 +349,13 @@ def trace_gathers(
         found = trace_gathers(model, (county, x, y))
         found.gathers["y"][0].index      # county, for y[i] ~ Normal(a[..., county[i]] + ..., s)
     """
+    with keep_random_state():
+        return _trace_gathers(
+            model, args, kwargs, sources, readers, values, subsamples, verify, check_latent_indices, seed
+        )
+
+
+def _trace_gathers(model, args, kwargs, sources, readers, values, subsamples, verify, check_latent_indices, seed):
     kwargs = {} if kwargs is None else kwargs
     values = {} if values is None else dict(values)
     subsamples = {} if subsamples is None else dict(subsamples)

@@ -8,7 +8,15 @@ Two layouts reach the networks:
   by optional covariates; they are laid out as ``(groups…, members, F)`` with a mask for observations the model
   masked out (so padded groups behave as ragged ones);
 - **ragged** (:class:`GroupedData`): rows ``(M, F)`` with a group index ``(M,)``; only the rows of the requested
-  groups are gathered (O(minibatch data), no padding).
+  groups are gathered (O(minibatch data), no padding);
+- **gathered** (:func:`keyed_rows`): observed sites in a flat plate that gather group effects by an index
+  (``a[..., county]``, :mod:`pyro_hier.gathers`): every element of the site is a row, keyed by the element of each
+  plate it reads (found per call by :class:`pyro_hier.gather_maps.GatherMaps`), so a group's data are the rows whose
+  index points at it — the ragged layout, found in the model instead of given.
+
+Covariates of nested and gathered observations come from ``local_features(*args, **kwargs)`` (the covariates of the
+observation's elements, rows for a flat plate), as the guides document; the model's own use of its arguments is not
+guessed from.
 """
 
 from __future__ import annotations
@@ -20,15 +28,22 @@ import pyro.distributions as dist
 import torch
 from pyro import poutine
 from pyro.poutine.messenger import Messenger
+from pyro.poutine.subsample_messenger import _Subsample
 
 from pyro_hier.errors import StructureError
 from pyro_hier.plates import PlateCall, PlateRecorder
 
 __all__ = [
     "GroupedData",
+    "KeyedRows",
     "Observation",
+    "ObservedRows",
+    "RowsOfCall",
     "call_local_features",
     "capture_observations",
+    "data_complete",
+    "is_factor",
+    "keyed_rows",
     "nested_features",
     "observation_features",
 ]
@@ -143,16 +158,40 @@ def _as_mask(mask) -> torch.Tensor | None:
     return mask.to(torch.bool)
 
 
+class _ForcePlates(Messenger):
+    """Gives plates that Pyro would subsample at random (``subsample_size=``) the indices ``subsamples``."""
+
+    def __init__(self, subsamples: Mapping[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.subsamples = subsamples
+
+    def _pyro_sample(self, msg) -> None:
+        if isinstance(msg["fn"], _Subsample) and msg["value"] is None and msg["name"] in self.subsamples:
+            msg["value"] = self.subsamples[msg["name"]]
+
+
 def capture_observations(
-    model: Callable, args: tuple = (), kwargs: dict | None = None
+    model: Callable, args: tuple = (), kwargs: dict | None = None, *, subsamples: Mapping | None = None
 ) -> tuple[dict[str, PlateCall], dict[str, Observation]]:
     """Run the whole model hidden from every outer handler (as :func:`pyro_hier.plates.capture_plates` does) and
     return its plates and its observed sites' values. Latent sites take whatever the model's handlers give them
-    (a guide's model is wrapped in its init strategy, so no random draws are spent)."""
+    (a guide's model is wrapped in its init strategy, so no random draws are spent). ``subsamples`` gives plates
+    that Pyro would subsample at random their indices (:func:`pyro_hier.gather_maps.full_data_call`)."""
     plates, observed = PlateRecorder(), _ObservationRecorder()
-    with torch.no_grad(), poutine.block(), plates, observed:
+    with torch.no_grad(), poutine.block(), _ForcePlates(subsamples or {}), plates, observed:
         model(*args, **(kwargs or {}))
-    return plates.calls, observed.observations
+    calls = plates.calls
+    for name in subsamples or {}:  # a forced plate is the model's own choice here
+        if name in calls:
+            calls[name] = PlateCall(name, calls[name].size, calls[name].indices, False)
+    return calls, observed.observations
+
+
+def is_factor(fn) -> bool:
+    """``True`` for the distribution of a ``pyro.factor`` statement (a log-density term, not data)."""
+    while isinstance(fn, dist.Independent | dist.MaskedDistribution | dist.ExpandedDistribution):
+        fn = fn.base_dist
+    return isinstance(fn, dist.Unit)
 
 
 def observation_features(
@@ -253,3 +292,226 @@ def call_local_features(
             "{site_name: tensor}"
         )
     return {observed[0]: value}
+
+
+@dataclass(frozen=True)
+class KeyedRows:
+    """The elements of an observed site as rows, each keyed by the plate elements it belongs to or reads: the
+    data of gathered groups (:func:`keyed_rows`).
+
+    :ivar features: ``(M, F)`` each element's observed value (its event flattened) and covariates.
+    :ivar weight: ``(M,)`` 1 for observed elements, 0 for those the model masks out (``None``: all observed).
+    :ivar keys: ``{plate: (M,)}`` the full index, in that plate, of the element each row reads (``-1``: none).
+    """
+
+    features: torch.Tensor
+    weight: torch.Tensor | None
+    keys: dict[str, torch.Tensor]
+
+    def select(self, calls: Mapping[str, PlateCall], plates: tuple[str, ...], dims: tuple[int, ...]) -> tuple:
+        """The rows of the elements of ``plates`` that ``calls`` opened: ``(features (M_b, F), weight (M_b,) or
+        None, segment (M_b,))``, ``segment`` the element's position in the plates' call layout raveled (outermost
+        dim first; masked rows dropped)."""
+        segment = None
+        keep = torch.ones(self.features.shape[0], dtype=torch.bool, device=self.features.device)
+        for p, _ in sorted(zip(plates, dims, strict=True), key=lambda pd: pd[1]):
+            call = calls[p]
+            key = self.keys.get(p)
+            if key is None:
+                raise StructureError(f"the rows do not read plate '{p}'")
+            inverse = torch.full((call.size,), -1, dtype=torch.long, device=key.device)
+            inverse[call.indices.to(key.device)] = torch.arange(call.subsample_size, device=key.device)
+            position = torch.where(key >= 0, inverse[key.clamp(min=0)], -1)
+            keep &= position >= 0
+            segment = position if segment is None else segment * call.subsample_size + position
+        if self.weight is not None:
+            keep &= self.weight > 0
+        rows = keep.nonzero().squeeze(-1)
+        weight = None if self.weight is None else self.weight[rows]
+        return self.features[rows], weight, segment[rows]
+
+
+def keyed_rows(
+    obs: Observation,
+    calls: Mapping[str, PlateCall],
+    positions: Mapping[str, torch.Tensor],
+    covariates: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> KeyedRows:
+    """The elements of ``obs`` in one call (:func:`observation_features`) as :class:`KeyedRows`, keyed by
+    ``positions`` (``{plate: LongTensor}`` broadcastable to the site's batch: the position, among the elements the
+    call opened, of the element each of its elements reads; :meth:`pyro_hier.gather_maps.CallGathers.positions`)."""
+    features, mask = observation_features(obs, calls, covariates, dtype)
+    batch = features.shape[:-1]
+    keys = {}
+    for p, pos in positions.items():
+        nb = len(batch)
+        pos = pos.reshape((1,) * max(0, nb - pos.dim()) + tuple(pos.shape))
+        while pos.dim() > nb and pos.shape[0] == 1:
+            pos = pos[0]
+        pos = pos.to(features.device).expand(batch)
+        full = calls[p].indices.to(features.device)[pos.clamp(min=0)]
+        keys[p] = torch.where(pos >= 0, full, -1).reshape(-1)
+    weight = None if mask is None else mask.reshape(-1).to(features.dtype)
+    return KeyedRows(features.reshape(-1, features.shape[-1]), weight, keys)
+
+
+def data_complete(
+    own: set[str] | frozenset[str],
+    reached: set[str] | frozenset[str],
+    target: set[str] | frozenset[str],
+    above: set[str] | frozenset[str],
+    calls: Mapping[str, PlateCall],
+) -> bool:
+    """Whether the elements of a level (plates ``target``; ``above``: its plates and its ancestors') get all their
+    data from an observed site (its plates ``own``, the plates it reaches ``reached``) in this call.
+
+    The plates between the site and the level (reached, not above) must hold all their elements, except the
+    site's own plates when the level's plates are subsampled: the rows then follow the groups
+    (:func:`pyro_hier.plates.gathered_rows`, the way to subsample gathered groups), and the call's rows of a group are
+    all its rows. Rows subsampled with every group present, or groups of a level above a subsampled plate, are not
+    complete: their data come from the model's call on all its data."""
+    between = set(reached) - set(above)
+    if any(calls[p].subsampled for p in between - set(own) if p in calls):
+        return False
+    rows_subsampled = any(calls[p].subsampled for p in between & set(own) if p in calls)
+    return not rows_subsampled or any(calls[p].subsampled for p in target if p in calls)
+
+
+@dataclass
+class RowsOfCall:
+    """An observed site's rows as one call sees them (:meth:`ObservedRows.rows`): ``rows`` keyed in the plates
+    of ``calls``; ``gathers`` (a :class:`~pyro_hier.gather_maps.CallGathers`) for the maps of that call; ``full``
+    when they come from the model's call on all its data."""
+
+    rows: KeyedRows
+    calls: Mapping[str, PlateCall]
+    gathers: object
+    full: bool
+
+
+class ObservedRows:
+    """Where gathered levels get their rows on every call: the call itself, the model's call on all its data, or,
+    when the call omits the observations (``Predictive(model, guide)`` with ``obs=None``), the last call that had
+    them.
+
+    - The call's own rows serve when they hold all the data of the elements encoded (:func:`data_complete`).
+    - Otherwise (rows subsampled with every group present; groups above a subsampled plate) the model runs once on
+      all its data (:func:`pyro_hier.gather_maps.full_data_call`), cached while the arguments are the same objects.
+    - The last rows are kept as plain tensors (they pickle with the guide): a call without observations encodes from
+      them, and refuses the groups they did not cover.
+
+    :param maps: the guide's :class:`~pyro_hier.gather_maps.GatherMaps` (its model runs the calls).
+    :param keyed: ``{observed site: plates}``: the plates each site's rows are keyed by.
+    """
+
+    def __init__(self, maps, keyed: Mapping[str, tuple[str, ...]]) -> None:
+        self.maps = maps
+        self.keyed = {site: tuple(plates) for site, plates in keyed.items()}
+        self.last: dict[str, tuple[KeyedRows, dict[str, torch.Tensor]]] = {}
+        self._full_key: tuple | None = None
+        self._full: dict | None = None
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_full_key"] = state["_full"] = None  # argument objects are not pickled
+        return state
+
+    def rows(
+        self,
+        site: str,
+        args: tuple,
+        kwargs: Mapping,
+        calls: Mapping[str, PlateCall],
+        observations: Mapping[str, Observation],
+        gathers,
+        covariates: Callable[[tuple, Mapping], Mapping[str, torch.Tensor]],
+        dtype: torch.dtype,
+        *,
+        complete: bool,
+        need: Mapping[str, torch.Tensor] | None = None,
+    ) -> RowsOfCall:
+        """The rows of ``site`` for this call. ``need`` (``{plate: full indices}``) names the elements a call without
+        observations asks for (checked against what the last rows covered)."""
+        if site not in observations:
+            return self._cached(site, calls, gathers, need)
+        if complete:
+            positions = {p: gathers.positions(site, p) for p in self.keyed[site]}
+            rows = keyed_rows(observations[site], calls, positions, covariates(args, kwargs).get(site), dtype)
+            covered = {p: calls[p].indices for p in self.keyed[site]}
+            self.last[site] = (rows, covered)
+            return RowsOfCall(rows, calls, gathers, False)
+        found = self._full_rows(args, kwargs, calls, covariates, dtype)
+        if site not in found:
+            raise StructureError(f"observed site '{site}' is not observed in the model's call on all its data")
+        rows, full_calls, full_gathers = found[site], found["_calls"], found["_gathers"]
+        self.last[site] = (rows, {p: full_calls[p].indices for p in self.keyed[site]})
+        return RowsOfCall(rows, full_calls, full_gathers, True)
+
+    def _cached(self, site, calls, gathers, need) -> RowsOfCall:
+        if site not in self.last:
+            raise StructureError(
+                f"observed site '{site}' is not observed in this call (observations omitted, as in "
+                "Predictive(model, guide=guide) with obs=None) and the guide has not been called with its data yet: "
+                "call the guide (or train it) on the data first"
+            )
+        rows, covered = self.last[site]
+        for p, wanted in (need or {}).items():
+            have = covered.get(p)
+            missing = wanted if have is None else wanted[~torch.isin(wanted, have.to(wanted.device))]
+            if missing.numel():
+                raise StructureError(
+                    f"observed site '{site}' is not observed in this call (observations omitted), so the guide encodes "
+                    f"from the data of the last call that had them; elements {missing[:10].tolist()} of plate '{p}' "
+                    "were not in it. Call the guide once on the data of every element asked for (e.g. all of them, "
+                    "without subsample) before predicting."
+                )
+        return RowsOfCall(rows, calls, gathers, False)
+
+    def full_call(self, args: tuple, kwargs: Mapping, calls: Mapping[str, PlateCall]) -> dict:
+        """The model's call on all its data (:func:`pyro_hier.gather_maps.full_data_call`), run once while the
+        arguments are the same objects: ``{"args", "kwargs", "calls", "observations", "gathers"}``.
+
+        :raises StructureError: if a plate stays subsampled in that call (its indices are not an argument)."""
+        from pyro_hier.gather_maps import arguments_key, full_data_call, same_key
+        from pyro_hier.gathers import keep_random_state
+
+        key = arguments_key(args, kwargs, calls)
+        if self._full is not None and same_key(self._full_key, key):
+            return self._full
+        maps = self.maps
+        full_args, full_kwargs, forced = full_data_call(maps.model, args, kwargs, calls)
+        with keep_random_state():
+            full_calls, observations = capture_observations(maps.model, full_args, full_kwargs, subsamples=forced)
+        for name, call in full_calls.items():
+            if call.subsampled:
+                raise StructureError(
+                    f"the guide needs all the data of the groups it encodes, but plate '{name}' stays subsampled in "
+                    "the model's call on all its data. Subsample the groups and keep their rows with "
+                    "pyro_hier.plates.gathered_rows instead."
+                )
+        gathers = maps.call(full_args, full_kwargs, full_calls)
+        self._full_key = key
+        self._full = {
+            "args": full_args,
+            "kwargs": full_kwargs,
+            "calls": full_calls,
+            "observations": observations,
+            "gathers": gathers,
+            "rows": {},
+        }
+        return self._full
+
+    def _full_rows(self, args, kwargs, calls, covariates, dtype) -> dict:
+        full = self.full_call(args, kwargs, calls)
+        if full["rows"]:
+            return full["rows"]
+        gathers, observations = full["gathers"], full["observations"]
+        cov = covariates(full["args"], full["kwargs"])
+        found: dict = {"_calls": full["calls"], "_gathers": gathers}
+        for site, plates in self.keyed.items():
+            if site in observations:
+                positions = {p: gathers.positions(site, p) for p in plates}
+                found[site] = keyed_rows(observations[site], full["calls"], positions, cov.get(site), dtype)
+        full["rows"] = found
+        return found

@@ -36,7 +36,16 @@ from pyro_hier.errors import StructureError
 from pyro_hier.gathers import Gather, GatherTrace, trace_gathers
 from pyro_hier.plates import PlateRecorder
 
-__all__ = ["Gather", "LatentSite", "ModelStructure", "ObservedSite", "PlateInfo", "PlateLevel", "inspect_model"]
+__all__ = [
+    "Gather",
+    "LatentSite",
+    "LevelLink",
+    "ModelStructure",
+    "ObservedSite",
+    "PlateInfo",
+    "PlateLevel",
+    "inspect_model",
+]
 
 
 @dataclass(frozen=True)
@@ -132,12 +141,33 @@ class LatentSite(_Site):
 
 
 @dataclass(frozen=True)
+class LevelLink:
+    """A level reads, along ``plate``, one element of an ancestor level through gathers (a *gathered ancestor*).
+
+    In a flat formulation of an index chain (homes → counties → states, ``c ~ Normal(s[..., county_state], τ)``)
+    the counties level reads the element ``county_state[i]`` of the states plate, as it would read its own state if
+    counties were nested in states. Which element each of the level's elements reads is found per call by
+    following the gathers of ``site`` (:meth:`ModelStructure.plate_route`; :class:`pyro_hier.gather_maps.GatherMaps`).
+
+    :ivar ancestor: the ancestor level's name.
+    :ivar plate: the ancestor's plate along which the element is selected (not a plate of the level).
+    :ivar site: the level's site whose gathers give the element (the first in model order that reads it).
+    """
+
+    ancestor: str
+    plate: str
+    site: str
+
+
+@dataclass(frozen=True)
 class PlateLevel:
     """Latent sites that share one set of plates, seen as one vector per element of those plates.
 
     Guides that follow the plate structure model each level jointly: the element vector concatenates, for every
     site of the level, its unconstrained value at one plate element (``sites[k]`` occupies
-    ``offsets[k]:offsets[k+1]``). A level's *ancestors* are the levels whose plates are a strict subset of its own.
+    ``offsets[k]:offsets[k+1]``). A level's *ancestors* are the levels whose plates are a strict subset of its own,
+    and the levels it reads through gathers (:class:`LevelLink`, with their own ancestors): the gathered and the
+    nested formulations of one model have the same ancestors.
 
     :ivar name: ``"globals"`` for sites in no plate, else the plate names joined by ``"__"``.
     :ivar plates: the level's plates, outermost first.
@@ -146,6 +176,8 @@ class PlateLevel:
     :ivar offsets: start of each site's block in the element vector, plus the total at the end.
     :ivar ancestors: names of the ancestor levels, in level order.
     :ivar batch_shape: full plate sizes at the plates' dims and 1 elsewhere (``()`` for globals).
+    :ivar links: for every plate of a gathered ancestor that is not a plate of this level, how an element finds its
+        element along it (``()`` in nested models).
     """
 
     name: str
@@ -155,6 +187,7 @@ class PlateLevel:
     offsets: tuple[int, ...]
     ancestors: tuple[str, ...]
     batch_shape: torch.Size
+    links: tuple[LevelLink, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -169,6 +202,10 @@ class PlateLevel:
         """Where ``site`` sits in the element vector."""
         k = self.sites.index(site)
         return slice(self.offsets[k], self.offsets[k + 1])
+
+    def links_to(self, ancestor: str) -> tuple[LevelLink, ...]:
+        """The links to one ancestor level (``()`` when it is a nested ancestor, or a global one)."""
+        return tuple(link for link in self.links if link.ancestor == ancestor)
 
 
 class ModelStructure:
@@ -324,11 +361,29 @@ class ModelStructure:
                         )
             groups.setdefault(frozenset(site.plates), []).append(name)
         order = {n: i for i, n in enumerate(self.latent)}
-        keys = sorted(groups, key=lambda k: (len(k), min(order[n] for n in groups[k])))
-        names = {k: "__".join(sorted(k, key=list(self.plates).index)) or "globals" for k in keys}
+        plate_order = list(self.plates)
+        keys = list(groups)
+        names = {k: "__".join(sorted(k, key=plate_order.index)) or "globals" for k in keys}
+        level_of = {n: k for k in keys for n in groups[k]}
+        reads = self._level_reads(keys, groups, level_of)
+        ancestors = {k: {a for a in keys if a < k} for k in keys}
+        changed = True
+        while changed:  # a gathered ancestor's own ancestors are ancestors too
+            changed = False
+            for k in keys:
+                new = set(ancestors[k])
+                for source, _ in reads[k].values():
+                    new |= {source} | ancestors[source]
+                if new != ancestors[k]:
+                    ancestors[k], changed = new, True
+        for k in keys:
+            if k in ancestors[k]:
+                raise StructureError(f"the levels of sites {groups[k]} read each other through gathers (a cycle)")
+        effective = {k: set(k).union(*ancestors[k]) for k in keys}
+        keys.sort(key=lambda k: (len(effective[k]), min(order[n] for n in groups[k])))
         levels = []
         for k in keys:
-            plates = tuple(sorted(k, key=list(self.plates).index))
+            plates = tuple(sorted(k, key=plate_order.index))
             dims = tuple(self.plates[p].dim for p in plates)
             members = tuple(groups[k])
             offsets = [0]
@@ -339,6 +394,16 @@ class ModelStructure:
             batch = [1] * max((-d for d in dims), default=0)
             for p, d in zip(plates, dims):
                 batch[d] = self.plates[p].size
+            links = []
+            for a in sorted(ancestors[k], key=keys.index):
+                for plate in sorted(a - k, key=plate_order.index):
+                    site = next((n for n in members if plate in self.reachable_plates(n)), None)
+                    if site is None:
+                        raise StructureError(
+                            f"internal error: level {names[k]!r} has ancestor {names[a]!r} but reads no element of "
+                            f"its plate '{plate}'"
+                        )
+                    links.append(LevelLink(names[a], plate, site))
             levels.append(
                 PlateLevel(
                     name=names[k],
@@ -346,11 +411,56 @@ class ModelStructure:
                     dims=dims,
                     sites=members,
                     offsets=tuple(offsets),
-                    ancestors=tuple(names[a] for a in keys if a < k),
+                    ancestors=tuple(names[a] for a in keys if a in ancestors[k]),
                     batch_shape=torch.Size(batch),
+                    links=tuple(links),
                 )
             )
         return tuple(levels)
+
+    def _level_reads(self, keys, groups, level_of) -> dict[frozenset, dict[str, tuple[frozenset, str]]]:
+        """For every level, ``{plate: (level read, reading site)}`` over the plates its sites read single elements of
+        through gathers (from sites of the given levels only). The prototype's gathers are computed only when some
+        level could read another: one of its plates is not among the later level's."""
+        reads: dict[frozenset, dict[str, tuple[frozenset, str]]] = {k: {} for k in keys}
+        if not any(a and not a <= k for a in keys for k in keys if a != k):
+            return reads
+        for k in keys:
+            for name in groups[k]:
+                try:
+                    found = self.reads(name)
+                except StructureError:  # reads several elements: no single ancestor element, no link
+                    continue
+                for plate, source in found.items():
+                    if source in level_of and plate not in k:
+                        reads[k].setdefault(plate, (level_of[source], name))
+        return reads
+
+    def reads(self, site: str) -> dict[str, str]:
+        """``{plate: source}``: the plates of other latent sites whose single elements ``site`` reads through gathers
+        (the first source in model order for each plate).
+
+        :raises StructureError: if ``site`` reads a plated latent in a way no per-element map describes."""
+        out: dict[str, str] = {}
+        for g in self.gathers_of(site):
+            out.setdefault(g.plate, g.source)
+        return out
+
+    def reachable_plates(self, site: str) -> frozenset[str]:
+        """The plates whose elements each element of ``site`` belongs to or reads: its own plates, the plates it
+        reads through gathers and, through the sites it reads, theirs (homes gathering counties that gather states
+        reach both). For a nested model, the site's own plates. Sites whose reads no per-element map describes
+        reach only their own plates."""
+        site_info = self.latent.get(site) or self.observed[site]
+        plates = set(site_info.plates)
+        try:
+            found = self.reads(site)
+        except StructureError:
+            return frozenset(plates)
+        for plate, source in found.items():
+            plates.add(plate)
+            plates |= self.reachable_plates(source)
+        return frozenset(plates)
 
     # ---- gathers -----------------------------------------------------------------------------------------------
     @cached_property

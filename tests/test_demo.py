@@ -32,14 +32,11 @@ def test_demo_command_prints_the_table_and_writes_the_plot(tmp_path):
         for line in lines[header + 2 :]
         if line.startswith(("regression", "radon")) and "MPImportance" not in line and "not applicable" not in line
     ]
-    # a guide that needs what a model lacks says so instead of a row: the deep-set encoder needs observations
-    # nested in the group plate, which radon's homes are not
-    skipped = [line for line in lines if "not applicable" in line and "MPImportance" not in line]
-    assert len(skipped) == 1 and skipped[0].startswith("radon (Minnesota) · PAVI deepset: not applicable")
-    assert "encoder='free'" in skipped[0]
-    assert len(rows) == 2 * len(DEMO_GUIDES) - 1
+    # every guide runs on radon as written (homes gathering their county's effect): no "not applicable" row
+    assert not [line for line in lines if "not applicable" in line and "MPImportance" not in line]
+    assert len(rows) == 2 * len(DEMO_GUIDES)
     for name in DEMO_GUIDES:
-        assert sum(name in row for row in rows) >= (1 if name == "PAVI deepset" else 2)
+        assert sum(name in row for row in rows) >= 2
     # columns from the right: params, seconds, sd ratio, mean err, gap; regression has an exact gap, radon a dash
     assert all(row.split()[-5] != "—" for row in rows if row.startswith("regression"))
     assert out.exists() and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -20,8 +20,12 @@ from pyro_hier.guides.branch import AutoBranchGuide
 from pyro_hier.local_data import (
     GroupedData,
     Observation,
+    ObservedRows,
     call_local_features,
     capture_observations,
+    data_complete,
+    is_factor,
+    keyed_rows,
     nested_features,
 )
 from pyro_hier.nn import MLP, Standardize, masked_pool, segment_pool, with_square
@@ -37,9 +41,10 @@ _FORMS = ("natural", "paper")
 
 @dataclass(frozen=True)
 class _Source:
-    """Where one amortized level gets data: an observed site nested in its plates, or ragged rows."""
+    """Where one amortized level gets data: an observed site nested in its plates, an observed site that gathers
+    its elements by an index (flat plates), or ragged rows."""
 
-    kind: str  # "nested" or "ragged"
+    kind: str  # "nested", "gathered" or "ragged"
     name: str  # observed site name, or the plate name for ragged data
 
 
@@ -227,25 +232,63 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
 
     def _setup_guide(self, structure: ModelStructure) -> None:
         levels = structure.plate_levels(self.guide_sites)
-        self.amortized_levels: tuple[str, ...] = tuple(level.name for level in levels if level.plates)
-        self._local_data = self._normalise_local_data(levels)
-        self._sources = {
-            name: self._find_sources(structure, lvl) for lvl in levels if (name := lvl.name) in self.amortized_levels
-        }
+        plated = [level for level in levels if level.plates]
+        self._local_data = self._normalise_local_data(plated)
+        sources = {level.name: self._find_sources(structure, level) for level in plated}
+        #: levels whose parameters come from networks of their data; the others keep free per-element parameters
+        self.amortized_levels: tuple[str, ...] = tuple(name for name, found in sources.items() if found)
+        #: plated levels without data (no observation nested in, or gathering, their plates): free parameters
+        self.free_levels: tuple[str, ...] = tuple(name for name, found in sources.items() if not found)
+        self._sources = {name: found for name, found in sources.items() if found}
+        self._observed_rows: ObservedRows | None = None
         if self.amortized_levels:  # one run of the model gives every level's data for the input statistics
             args, kwargs = self._setup_call
             self._setup_call = (args, kwargs, *self._run_model(args, kwargs))
         self.nets = nn.ModuleDict()
         self.natural = PyroModule()  # free natural parameters (Λ₀, η₀, B) of the local levels, form="natural"
+        self._data_cache: dict = {}  # the last data of nested sources, for calls that omit the observations
         super()._setup_guide(structure)  # free parameters for the other levels, networks via _setup_level
         to_pyro_module_(self.nets)
+        keyed = self._gathered_keys()
+        if keyed:
+            assert self._gather_maps is not None
+            self._observed_rows = ObservedRows(self._gather_maps, keyed)
 
-    def _normalise_local_data(self, levels: tuple[PlateLevel, ...]) -> dict[str, GroupedData | Callable]:
+    def extra_repr(self) -> str:
+        if self.structure is None:
+            return "not set up"
+        return (
+            f"form={self.form!r}, covariance={self.covariance!r}, amortized levels {list(self.amortized_levels)} "
+            f"(from their data), free levels {list(self.free_levels)} (no data: free per-element parameters)"
+        )
+
+    def _gathered_keys(self) -> dict[str, tuple[str, ...]]:
+        """``{observed site: plates}`` for every gathered source: the level plates its rows are keyed by."""
+        keyed: dict[str, list[str]] = {}
+        for name, sources in self._sources.items():
+            for source in sources:
+                if source.kind == "gathered":
+                    plates = keyed.setdefault(source.name, [])
+                    plates += [p for p in self._levels[name].plates if p not in plates]
+        return {site: tuple(plates) for site, plates in keyed.items()}
+
+    def _gathered_data(self, structure: ModelStructure) -> list[tuple[str, str]]:
+        needed = []
+        for name, sources in self._sources.items():
+            level = self._levels[name]
+            for source in sources:
+                if source.kind == "gathered":
+                    needed += [
+                        (source.name, p) for p in level.plates if p not in structure.observed[source.name].plates
+                    ]
+        return needed
+
+    def _normalise_local_data(self, levels: list[PlateLevel]) -> dict[str, GroupedData | Callable]:
         data = self._local_data_arg
         if data is None:
             return {}
         if not isinstance(data, Mapping):
-            plates = {p for lvl in levels if lvl.name in self.amortized_levels for p in lvl.plates}
+            plates = {p for lvl in levels for p in lvl.plates}
             if len(plates) != 1:
                 raise StructureError(
                     f"local_data without a plate name, but the model has local plates {sorted(plates)}: pass "
@@ -269,26 +312,20 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         return dict(data)
 
     def _find_sources(self, structure: ModelStructure, level: PlateLevel) -> tuple[_Source, ...]:
+        """The level's data: ragged rows given by the user; else every observed site nested in the level's plates,
+        or reaching them through gathers (a flat plate indexing the group effects, directly or through an index
+        chain). ``()``: no data, the level keeps free parameters. ``pyro.factor`` terms are not data."""
         if len(level.plates) == 1 and level.plates[0] in self._local_data:
             return (_Source("ragged", level.plates[0]),)
-        nested = tuple(
-            _Source("nested", name)
-            for name, site in structure.observed.items()
-            if set(level.plates) <= set(site.plates)
-        )
-        if not nested:
-            plates = " × ".join(f"'{p}'" for p in level.plates)
-            hint = (
-                f"local_data={{'{level.plates[0]}': GroupedData(features, group)}}"
-                if len(level.plates) == 1
-                else "observations inside those plates"
-            )
-            raise StructureError(
-                f"no local data for site(s) {list(level.sites)} in plate {plates}: no observed site lies inside "
-                f"that plate, so {type(self).__name__} cannot tell groups apart. Pass {hint} (rows of each group's "
-                "observations and covariates with the group's index), or use AutoBranchGuide."
-            )
-        return nested
+        found = []
+        for name, site in structure.observed.items():
+            if is_factor(site.fn):
+                continue
+            if set(level.plates) <= set(site.plates):
+                found.append(_Source("nested", name))
+            elif set(level.plates) <= structure.reachable_plates(name):
+                found.append(_Source("gathered", name))
+        return tuple(found)
 
     def _setup_level(self, level: PlateLevel, init: torch.Tensor) -> None:
         if level.name not in self.amortized_levels:
@@ -401,12 +438,16 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
 
     # ---- data of this call --------------------------------------------------------------------------------------
     def _needs_observations(self) -> bool:
-        return any(s.kind == "nested" for sources in self._sources.values() for s in sources)
+        return any(s.kind != "ragged" for sources in self._sources.values() for s in sources)
 
     def _run_model(self, args: tuple, kwargs: dict) -> tuple[dict[str, PlateCall], dict[str, Observation]]:
         if self._needs_observations():
             return capture_observations(self.model, args, kwargs)
         return capture_plates(self.model, args, kwargs), {}
+
+    def _all_covariates(self, args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
+        assert self.structure is not None
+        return call_local_features(self.local_features, args, kwargs, list(self.structure.observed))
 
     def _covariates(self, args: tuple, kwargs: dict, site: str, observed: list[str]) -> torch.Tensor | None:
         return call_local_features(self.local_features, args, kwargs, observed).get(site)
@@ -415,7 +456,15 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         """All rows of a source in this call, with observation weights (for the input statistics)."""
         if source.kind == "ragged":
             return self._grouped_data(source.name, args, kwargs).features.to(dtype), None
-        return self._nested(level, source, args, kwargs, calls, observations, dtype)
+        if source.kind == "gathered":
+            assert self._gather_maps is not None
+            gathers = self._gather_maps.call(args, kwargs, calls)
+            obs = observations[source.name]
+            positions = {p: gathers.positions(source.name, p) for p in level.plates}
+            cov = self._covariates(args, kwargs, source.name, list(self.structure.observed))
+            rows = keyed_rows(obs, calls, positions, cov, dtype)
+            return rows.features, rows.weight
+        return self._nested(level, source, args, kwargs, calls, observations, dtype)[:2]
 
     def _grouped_data(self, plate: str, args: tuple, kwargs: dict, override=None) -> GroupedData:
         data = self._local_data[plate] if override is None else override
@@ -426,12 +475,27 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         return data
 
     def _nested(self, level, source, args, kwargs, calls, observations, dtype):
+        """Nested rows ``(group dims…, members, F)``, their mask, and the full indices of the elements along each
+        level plate (``{plate: LongTensor}``). Without the observations in this call (``obs=None``), the last
+        call's (kept as plain tensors, so they pickle with the guide)."""
         obs = observations.get(source.name)
+        key = f"{level.name}/{source.name}"
         if obs is None:
-            raise StructureError(f"observed site '{source.name}' was not observed in this call of the model")
+            cached = self._data_cache.get(key)
+            if cached is None:
+                raise StructureError(
+                    f"observed site '{source.name}' is not observed in this call (observations omitted, as in "
+                    "Predictive(model, guide=guide) with obs=None) and the guide has not been called with its data "
+                    "yet: call the guide (or train it) on the data first"
+                )
+            rows, mask, held = cached
+            return rows.to(dtype), mask, held
         assert self.structure is not None
         cov = self._covariates(args, kwargs, source.name, list(self.structure.observed))
-        return nested_features(obs, level.plates, calls, cov, dtype)
+        rows, mask = nested_features(obs, level.plates, calls, cov, dtype)
+        held = {p: calls[p].indices for p in level.plates}
+        self._data_cache[key] = (rows.detach(), mask, held)
+        return rows, mask, held
 
     # ---- encoding -----------------------------------------------------------------------------------------------
     @contextmanager
@@ -442,7 +506,11 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             return
         calls, observations = self._run_model(args, kwargs)
         self._calls = calls
+        outer = self._gathers
         try:
+            if self._gather_maps is not None:  # this call's gathers, found before any plate is entered
+                self._gather_maps.model = self.model
+                self._gathers = self._gather_maps.call(args, kwargs, calls).prepare(self.levels)
             if training:
                 plates = self._plates = self._create_plates(*args, **kwargs)
                 indices = {p: plates[p].indices for lvl in self.amortized_levels for p in self._levels[lvl].plates}
@@ -463,6 +531,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             self._calls = None
             self._plates = None
             self._decoded = None
+            self._gathers = outer
 
     def _create_plates(self, *args, **kwargs) -> dict:
         if self._plates is not None:  # opened once per call: a plate creates a site in the trace
@@ -475,9 +544,9 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         return super()._capture_plates(args, kwargs, names)
 
     def _source_inputs(self, name, args, kwargs, calls, observations, indices, local_data) -> Iterator[tuple]:
-        """Each data source's rows for the groups of this call: ``(k, rows, segment, mask)`` with ragged rows
-        ``(M, F)`` and their segment ``(M,)`` (mask ``None``), or nested rows ``(group dims…, members, F)`` with
-        their mask or ``None`` (segment ``None``)."""
+        """Each data source's rows for the groups of this call: ``(k, rows, segment, mask)`` with ragged or gathered
+        rows ``(M, F)`` and their segment ``(M,)`` (mask ``None``), or nested rows ``(group dims…, members, F)``
+        with their mask or ``None`` (segment ``None``)."""
         level = self._levels[name]
         dtype, device = self._dtype(), self._device()
         for k, source in enumerate(self._sources[name]):
@@ -487,16 +556,55 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
                 rows, segment = data.select(indices[source.name])
                 yield k, rows.to(dtype=dtype, device=device), segment.to(device), None
                 continue
-            rows, mask = self._nested(level, source, args, kwargs, calls, observations, dtype)
-            # the model observed every element; the guide's plates may use a subsample of them
+            if source.kind == "gathered":
+                rows, segment = self._gathered(level, source, args, kwargs, calls, observations, indices, dtype)
+                yield k, rows.to(dtype=dtype, device=device), segment.to(device), None
+                continue
+            rows, mask, held = self._nested(level, source, args, kwargs, calls, observations, dtype)
+            # the rows hold the elements `held`; the guide's plates may use (a subsample of) them
             ordered = sorted(zip(level.dims, level.plates, strict=True))  # the layout of nested_features
             for axis, (_, p) in enumerate(ordered):
-                model_idx = calls[p].indices
-                if model_idx.shape != indices[p].shape or not torch.equal(model_idx, indices[p].to(model_idx.device)):
-                    pos = indices[p].to(rows.device)
+                have, want = held[p], indices[p].to(held[p].device)
+                if have.shape != want.shape or not torch.equal(have, want):
+                    inverse = torch.full((self.structure.plates[p].size,), -1, dtype=torch.long, device=have.device)
+                    inverse[have] = torch.arange(have.shape[0], device=have.device)
+                    pos = inverse[want]
+                    if bool((pos < 0).any()):
+                        raise StructureError(
+                            f"observed site '{source.name}' is not observed in this call, so the guide encodes from "
+                            f"the data of the last call that had them; elements {want[pos < 0][:10].tolist()} of "
+                            f"plate '{p}' were not in it. Call the guide once on the data of every element asked for."
+                        )
+                    pos = pos.to(rows.device)
                     rows = rows.index_select(axis, pos)
                     mask = None if mask is None else mask.index_select(axis, pos)
             yield k, rows, None, mask
+
+    def _gathered(self, level, source, args, kwargs, calls, observations, indices, dtype):
+        """Rows of an observed site that gathers the level's elements, and each row's element (its position in the
+        level's layout for this call, raveled): the call's rows when they hold all the data of its groups, else the
+        model's call on all its data (:class:`~pyro_hier.local_data.ObservedRows`)."""
+        assert self.structure is not None and self._observed_rows is not None
+        s = self.structure
+        above = set(level.plates).union(*(self._levels[a].plates for a in level.ancestors))
+        complete = data_complete(
+            set(s.observed[source.name].plates), s.reachable_plates(source.name), set(level.plates), above, calls
+        )
+        view = self._observed_rows.rows(
+            source.name,
+            args,
+            kwargs,
+            calls,
+            observations,
+            self._gathers,
+            self._all_covariates,
+            dtype,
+            complete=complete,
+            need={p: indices[p] for p in level.plates},
+        )
+        elements = {p: PlateCall(p, s.plates[p].size, indices[p], False) for p in level.plates}
+        features, _, segment = view.rows.select(elements, level.plates, level.dims)
+        return features, segment
 
     def _level_shape(self, level: PlateLevel, indices: dict[str, torch.Tensor]) -> list[int]:
         """The level's batch shape with each plate at the size of this call's subsample."""
@@ -516,7 +624,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         for k, rows, segment, mask in inputs:
             e = nets["features"][str(k)](rows)
             if segment is not None:
-                num = indices[self._sources[name][k].name].shape[0]
+                num = math.prod(self._level_shape(level, indices))
                 pooled.append(segment_pool(with_square(e), segment, num, self.pool))
                 count = torch.bincount(segment, minlength=num).to(e.dtype)
             else:
@@ -545,7 +653,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
                 factor = out[..., : d * r].reshape((*out.shape[:-1], d, r))
                 target = out[..., d * r :]
             if segment is not None:  # ragged rows: segment sums
-                num = indices[self._sources[level.name][k].name].shape[0]
+                num = math.prod(self._level_shape(level, indices))
                 if not diagonal:
                     prec = (factor @ factor.mT).reshape(-1, d * d)
                     eta = (factor @ target.unsqueeze(-1)).squeeze(-1)
@@ -582,7 +690,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         scale = _precision_to_scale_tril(prior_precision + precision)
         weight = None
         if self._is_conditional(level):
-            anc_loc, anc_scale = self._ancestor_params(level)
+            anc_loc, anc_scale = self._ancestor_params(level, self._plates)
             coupling = prior_precision @ getattr(self.natural, f"{key}_coupling")  # Λ₀ B
             eta = eta + (coupling @ anc_loc.unsqueeze(-1)).squeeze(-1)
             weight = scale @ (scale.mT @ (coupling * anc_scale.unsqueeze(-2)))

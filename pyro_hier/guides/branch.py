@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 
 import pyro
 import pyro.distributions as dist
@@ -14,8 +14,9 @@ from pyro.nn import PyroModule, PyroParam
 from torch.distributions import constraints
 
 from pyro_hier.distributions import StickingTheLanding
+from pyro_hier.gather_maps import CallGathers, GatherMaps, full_call_gathers
 from pyro_hier.guides.base import HierarchicalGuide
-from pyro_hier.plates import element_selection, enter_plates
+from pyro_hier.plates import PlateCall, element_selection, enter_plates
 from pyro_hier.sparse import select_elements
 from pyro_hier.structure import ModelStructure, PlateLevel
 from pyro_hier.transforms import prox_positive, prox_positive_inv, raw_from_scale_tril, scale_tril_from_raw
@@ -110,6 +111,14 @@ class AutoBranchGuide(HierarchicalGuide):
     def _setup_guide(self, structure: ModelStructure) -> None:
         self.levels: tuple[PlateLevel, ...] = structure.plate_levels(self.guide_sites)
         self._levels = {level.name: level for level in self.levels}
+        self._gather_maps: GatherMaps | None = None
+        needed = [(link.site, link.plate) for level in self.levels for link in level.links]
+        needed += self._gathered_data(structure)
+        if needed:  # gathered ancestors (or data): which elements are read is found per call
+            self._gather_maps = GatherMaps(structure, self.model)
+            for site, plate in needed:
+                self._gather_maps.require(site, plate)
+        self._gathers: CallGathers | None = None  # during a call (or a summary): where gathered ancestors are
         self.locs = PyroModule()
         self.weights = PyroModule()
         self.scale_trils = PyroModule()
@@ -134,20 +143,68 @@ class AutoBranchGuide(HierarchicalGuide):
             weight = init.new_zeros((*level.batch_shape, d, d_anc))
             setattr(self.weights, level.name, PyroParam(weight, constraints.real, event_dim=2))
 
+    def _gathered_data(self, structure: ModelStructure) -> list[tuple[str, str]]:
+        """``(site, plate)`` pairs whose gathers the guide reads besides its levels' links (a hook: the amortized
+        guide's gathered observations)."""
+        return []
+
     def _is_diagonal(self, level: PlateLevel) -> bool:
         return self.covariance == "diagonal"  # every level, globals included
 
     def _ancestor_params(
         self, level: PlateLevel, plates: dict[str, pyro.plate] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Concatenated locations and row scales of the level's ancestors (each ancestor's parameters built once)."""
+        """Concatenated locations and row scales of the level's ancestors (each ancestor's parameters built once).
+        A gathered ancestor's (:class:`~pyro_hier.structure.LevelLink`) are read at each element's ancestor
+        element."""
         locs, scales = [], []
         for a in level.ancestors:
             ancestor = self._levels[a]
             loc, _, scale = self._level_params(ancestor, plates)
+            row = self._row_scale(ancestor, scale)
+            if level.links_to(a):
+                gathers = self._ancestor_gathers()
+                loc = gathers.read_ancestor(loc, level, ancestor, event_dim=1)
+                row = gathers.read_ancestor(row, level, ancestor, event_dim=1)
             locs.append(loc)
-            scales.append(self._row_scale(ancestor, scale))
+            scales.append(row)
         return _concat_broadcast(locs), _concat_broadcast(scales)
+
+    def _ancestor_gathers(self) -> CallGathers:
+        if self._gathers is None:  # a summary at full size: the gathers of the call on all the prototype's data
+            assert self.structure is not None and self._gather_maps is not None
+            self._gather_maps.model = self.model
+            full = full_call_gathers(self._gather_maps, self.structure.args, self.structure.kwargs)
+            return full.prepare(self.levels)
+        return self._gathers
+
+    def _call_gathers(self, args: tuple, kwargs: dict, plates: dict) -> CallGathers | None:
+        """The gathers of this call (``None`` without gathered ancestors), from the plates the guide opened."""
+        if self._gather_maps is None:
+            return None
+        self._gather_maps.model = self.model
+        given = [*args, *kwargs.values()]
+        calls = {
+            name: PlateCall(name, p.size, p.indices, any(p.indices is v for v in given)) for name, p in plates.items()
+        }
+        return self._gather_maps.call(args, kwargs, calls).prepare(self.levels)
+
+    @contextmanager
+    def _summary_gathers(self, args: tuple, kwargs: dict) -> Iterator[None]:
+        """Full-size maps of gathered ancestors for summaries, from the model's call on all of ``args``' data (the
+        prototype's when no arguments are given)."""
+        if self._gather_maps is None or self._gathers is not None:
+            yield
+            return
+        self._gather_maps.model = self.model
+        if not args and not kwargs:
+            assert self.structure is not None
+            args, kwargs = self.structure.args, self.structure.kwargs
+        self._gathers = full_call_gathers(self._gather_maps, args, kwargs).prepare(self.levels)
+        try:
+            yield
+        finally:
+            self._gathers = None
 
     def _is_conditional(self, level: PlateLevel) -> bool:
         return self.covariance == "dense" and bool(level.ancestors)
@@ -235,7 +292,7 @@ class AutoBranchGuide(HierarchicalGuide):
         params = self._level_params(level, plates)
         u_anc = None
         if params[1] is not None:
-            u_anc = _concat_broadcast([values[a] for a in level.ancestors])
+            u_anc = _concat_broadcast([self._ancestor_value(level, a, values[a]) for a in level.ancestors])
             params += self._ancestor_params(level, plates)
 
         def build(loc, weight=None, scale=None, anc_loc=None, anc_scale=None):
@@ -250,20 +307,32 @@ class AutoBranchGuide(HierarchicalGuide):
             return q
         return StickingTheLanding(q, build(*(None if t is None else t.detach() for t in params)))
 
+    def _ancestor_value(self, level: PlateLevel, ancestor: str, u: torch.Tensor) -> torch.Tensor:
+        """An ancestor level's sample as the level's elements see it (read at their elements when gathered)."""
+        if not level.links_to(ancestor):
+            return u
+        return self._ancestor_gathers().read_ancestor(u, level, self._levels[ancestor], event_dim=1)
+
     def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         """Sample every continuous latent site; returns ``{site: constrained value}``."""
         self._require_setup(*args, **kwargs)
         plates = self._create_plates(*args, **kwargs)
         values: dict[str, torch.Tensor] = {}
         result: dict[str, torch.Tensor] = {}
-        for level in self.levels:
-            q = self._level_distribution(level, values, plates)  # parameters read (and cut) outside the plates
-            with ExitStack() as stack:
-                enter_plates(stack, plates, level.plates)
-                u = pyro.sample(f"_{self._pyro_name}_{level.name}_unconstrained", q, infer={"is_auxiliary": True})
-                values[level.name] = u
-                for name in level.sites:
-                    result[name] = self._emit(name, self._site_unconstrained(level, name, u))
+        outer = self._gathers
+        if self._gathers is None:  # (the amortized guide has found this call's already)
+            self._gathers = self._call_gathers(args, kwargs, plates)
+        try:
+            for level in self.levels:
+                q = self._level_distribution(level, values, plates)  # parameters read (and cut) outside the plates
+                with ExitStack() as stack:
+                    enter_plates(stack, plates, level.plates)
+                    u = pyro.sample(f"_{self._pyro_name}_{level.name}_unconstrained", q, infer={"is_auxiliary": True})
+                    values[level.name] = u
+                    for name in level.sites:
+                        result[name] = self._emit(name, self._site_unconstrained(level, name, u))
+        finally:
+            self._gathers = outer
         return result
 
     # ---- summaries ----------------------------------------------------------------------------------------------
@@ -278,6 +347,10 @@ class AutoBranchGuide(HierarchicalGuide):
         :math:`B_{\\ell k} = \\sum_a A_{\\ell,a} B_{a k}`; so
         :math:`\\mathrm{Cov}(u_\\ell) = \\sum_k B_{\\ell k} B_{\\ell k}^\\top`.
         """
+        with self._summary_gathers(args, kwargs):
+            return self._level_moments()
+
+    def _level_moments(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         means: dict[str, torch.Tensor] = {}
         loadings: dict[str, dict[str, torch.Tensor]] = {}
         out = {}
@@ -291,8 +364,10 @@ class AutoBranchGuide(HierarchicalGuide):
                     d_a = self._levels[a].numel
                     w = p["weight"][..., start : start + d_a]
                     start += d_a
-                    mean = mean + (w @ means[a].unsqueeze(-1)).squeeze(-1)
+                    mean = mean + (w @ self._ancestor_value(level, a, means[a]).unsqueeze(-1)).squeeze(-1)
                     for k, b in loadings[a].items():
+                        if level.links_to(a):
+                            b = self._ancestor_gathers().read_ancestor(b, level, self._levels[a], event_dim=2)
                         load[k] = load[k] + w @ b if k in load else w @ b
             means[level.name], loadings[level.name] = mean, load
             cov = sum(b @ b.mT for b in load.values())

@@ -17,12 +17,20 @@ from torch.distributions import biject_to, constraints
 from torch.distributions.transforms import ReshapeTransform, Transform
 
 from pyro_hier.distributions import StickingTheLanding
-from pyro_hier.encoders import DeepSetEncoder, FreeEncoding
+from pyro_hier.encoders import DeepSetEncoder, FreeEncoding, FrozenPositions, SiteData
 from pyro_hier.errors import StructureError
 from pyro_hier.flows import make_flow
+from pyro_hier.gather_maps import GatherMaps
+from pyro_hier.gathers import keep_random_state
 from pyro_hier.guides.base import HierarchicalGuide, _ContinuousInit, empirical_quantiles
-from pyro_hier.local_data import call_local_features, capture_observations, observation_features
-from pyro_hier.plates import PlateRecorder
+from pyro_hier.local_data import (
+    ObservedRows,
+    call_local_features,
+    capture_observations,
+    data_complete,
+    observation_features,
+)
+from pyro_hier.plates import PlateRecorder, capture_plates
 from pyro_hier.structure import ModelStructure
 
 __all__ = ["AutoPlateAmortizedFlow"]
@@ -218,6 +226,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         sites = list(structure.latent)
         self.levels = structure.plate_levels(sites)
         self._level_of = {name: level for level in self.levels for name in level.sites}
+        levels = {level.name: level for level in self.levels}
         order = {name: i for i, name in enumerate(structure.latent)}
         self._context_sites: dict[str, tuple[str, ...]] = {}
         self._context_levels: dict[str, tuple[str, ...]] = {}
@@ -227,16 +236,20 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         self.flows = nn.ModuleDict()
         for name in sites:
             site = structure.latent[name]
+            own = self._level_of[name]
             ancestors = ()
-            if self.condition_on_ancestors:  # every earlier site whose plates are among this site's plates
+            if self.condition_on_ancestors:  # every earlier site of its level or of an ancestor level (nested in
+                # fewer of its plates, or read through gathers: a county's state)
                 ancestors = tuple(
-                    a for a in sites if order[a] < order[name] and set(structure.latent[a].plates) <= set(site.plates)
+                    a
+                    for a in sites
+                    if order[a] < order[name]
+                    and (set(structure.latent[a].plates) <= set(site.plates) or self._level_of[a].name in own.ancestors)
                 )
             self._context_sites[name] = ancestors
-            own = self._level_of[name].name
             if self.encoder_kind == "deepset":  # a free encoding can hold its ancestors' already
                 self._context_levels[name] = tuple(
-                    dict.fromkeys(self._level_of[a].name for a in ancestors if self._level_of[a].name != own)
+                    dict.fromkeys(self._level_of[a].name for a in ancestors if self._level_of[a].name != own.name)
                 )
             else:
                 self._context_levels[name] = ()
@@ -249,10 +262,28 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             calls, observations = capture_observations(self.model, structure.args, structure.kwargs)
             covariates = self._covariates(structure.args, structure.kwargs)
             features = {
-                name: observation_features(obs, calls, covariates.get(name), like.dtype)[0]
+                name: observation_features(obs, calls, covariates.get(name), like.dtype)
                 for name, obs in observations.items()
             }
             self.encoder = DeepSetEncoder(structure, self.levels, features, self.encoding_size, self.encoder_hidden)
+        # gathered ancestors in the contexts, gathered observations in the deep set: which elements are read is
+        # found per call
+        needed = set()
+        for name, ancestors in self._context_sites.items():
+            level = self._level_of[name]
+            for a in [*ancestors, *(s for lv in self._context_levels[name] for s in levels[lv].sites)]:
+                for link in level.links_to(self._level_of[a].name):
+                    needed.add((link.site, link.plate))
+        if self.encoder_kind == "deepset":
+            needed |= self.encoder.required_positions()
+        self._gather_maps: GatherMaps | None = None
+        self._observed_rows: ObservedRows | None = None
+        if needed:
+            self._gather_maps = GatherMaps(structure, self.model)
+            for site_name, plate in sorted(needed):
+                self._gather_maps.require(site_name, plate)
+            self._observed_rows = ObservedRows(self._gather_maps, {})
+        self._last_data: dict[tuple[str, str], SiteData] = {}  # for calls that omit the observations
         self.flows.to(dtype=like.dtype, device=like.device)
         self.encoder.to(dtype=like.dtype, device=like.device)
 
@@ -278,12 +309,20 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
     def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         """Sample every latent site; returns ``{site: constrained value}``."""
         self._require_setup(*args, **kwargs)
-        observations, calls, covariates = None, None, {}
+        observations, calls, covariates, gathers, data = None, None, {}, None, {}
         if self.encoder_kind == "deepset":
             calls, observations = capture_observations(self.model, args, kwargs)
             covariates = self._covariates(args, kwargs)
+        elif self._gather_maps is not None:  # the plates of this call, to find the gathered ancestors' elements
+            with keep_random_state():  # (the same draws as without gathers)
+                calls = capture_plates(self.model, args, kwargs)
+        if self._gather_maps is not None:  # found now: the model must not run again inside the cascade
+            self._gather_maps.model = self.model
+            gathers = self._gather_maps.call(args, kwargs, calls).prepare(self.levels)
+        if self.encoder_kind == "deepset":
+            data = self._site_data(args, kwargs, calls, observations, covariates, gathers)
         self._register_networks()
-        cascade = _Cascade(self, observations, calls, covariates)
+        cascade = _Cascade(self, observations, calls, covariates, gathers, data)
         with poutine.block(hide_fn=_hidden), cascade:
             self._cascade_model(*args, **kwargs)
         missing = [n for n in self.structure.latent if n not in cascade.result]
@@ -293,6 +332,56 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                 "the same latent sites on every call"
             )
         return cascade.result
+
+    def _site_data(self, args, kwargs, calls, observations, covariates, gathers) -> dict[tuple[str, str], SiteData]:
+        """Each (observed site, level) pair's data for the deep set: this call's; for gathered sites whose rows in
+        this call do not hold all the data of the level's elements, the model's call on all its data; without the
+        observations (``obs=None``), the last call's (kept as plain tensors)."""
+        assert self.structure is not None
+        encoder = self._modules["encoder"]
+        s = self.structure
+        out: dict[tuple[str, str], SiteData] = {}
+        for level in self.levels:
+            above = set(level.plates).union(*(self._levels_by_name[a].plates for a in level.ancestors))
+            pairs = [(n, False) for n, _ in encoder.paths[level.name]] + [
+                (n, True) for n, _ in encoder.routes[level.name]
+            ]
+            for name, gathered in pairs:
+                key = (name, level.name)
+                if name not in observations:
+                    if key not in self._last_data:
+                        raise StructureError(
+                            f"observed site '{name}' is not observed in this call (observations omitted, as in "
+                            "Predictive(model, guide=guide) with obs=None) and the guide has not been called with its "
+                            "data yet: call the guide (or train it) on the data first"
+                        )
+                    out[key] = self._last_data[key]
+                    continue
+                complete = not gathered or data_complete(
+                    set(s.observed[name].plates), s.reachable_plates(name), set(level.plates), above, calls
+                )
+                if complete:
+                    data = SiteData(observations[name], calls, covariates.get(name), gathers)
+                else:
+                    assert self._observed_rows is not None
+                    full = self._observed_rows.full_call(args, kwargs, calls)
+                    cov = self._covariates(full["args"], full["kwargs"]).get(name)
+                    data = SiteData(full["observations"][name], full["calls"], cov, full["gathers"])
+                out[key] = data
+                self._last_data[key] = self._frozen(data)
+        return out
+
+    def _frozen(self, data: SiteData) -> SiteData:
+        """The data with the positions the deep set reads kept as plain tensors (they pickle with the guide)."""
+        if data.positions is None:
+            return data
+        needed = self._modules["encoder"].required_positions()
+        table = {pair: data.positions.positions(*pair) for pair in needed}
+        return SiteData(data.observation, dict(data.calls), data.covariates, FrozenPositions(table))
+
+    @property
+    def _levels_by_name(self) -> dict:
+        return {level.name: level for level in self.levels}
 
     def _site_distribution(self, msg: dict, cascade: _Cascade) -> tuple[dist.TorchDistribution, _SiteMaps]:
         """The flow pushing forward the site's prior conditional ``msg["fn"]``."""
@@ -316,8 +405,14 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                 "per plate element when the guide was built"
             )
         level = self._level_of[name]
-        encodings = [self._encoding(lv, cascade) for lv in (level.name, *self._context_levels[name])]
-        parts = encodings + [cascade.base_values[a] for a in self._context_sites[name]]
+        encodings = [self._encoding(level.name, cascade)]
+        encodings += [
+            self._ancestor_view(level, lv, self._encoding(lv, cascade), cascade) for lv in self._context_levels[name]
+        ]
+        parts = encodings + [
+            self._ancestor_view(level, self._level_of[a].name, cascade.base_values[a], cascade)
+            for a in self._context_sites[name]
+        ]
         batch = base.batch_shape
         parts = [_fit_batch(p, len(batch)) for p in parts]
         batch = torch.broadcast_shapes(batch, *(p.shape[:-1] for p in parts))
@@ -347,13 +442,20 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             q = StickingTheLanding(q, push_forward(self._detached_flows[0][_key(name)], context))
         return q, maps
 
+    def _ancestor_view(self, level, ancestor: str, x: torch.Tensor, cascade: _Cascade) -> torch.Tensor:
+        """An ancestor's base sample or encoding ``(…, k)`` as the level's elements see it: read at each element's
+        ancestor element when the ancestor is gathered (a county's state), as is when nested."""
+        if not level.links_to(ancestor):
+            return x
+        return cascade.gathers.read_ancestor(x, level, self._levels_by_name[ancestor], event_dim=1)
+
     def _encoding(self, level: str, cascade: _Cascade) -> torch.Tensor:
         encoder = self._modules["encoder"]
         if self.encoder_kind == "free":
             return encoder(level, cascade.calls)
         if level not in cascade.encodings:
             dtype = next(iter(self._modules["flows"].parameters())).dtype
-            cascade.encodings[level] = encoder(level, cascade.observations, cascade.calls, cascade.covariates, dtype)
+            cascade.encodings[level] = encoder(level, lambda site, lv: cascade.data[(site, lv)], cascade.calls, dtype)
         return cascade.encodings[level]
 
     # ---- summaries ------------------------------------------------------------------------------------------
@@ -445,11 +547,13 @@ class _SiteMaps:
 class _Cascade(PlateRecorder):
     """Runs inside the model: replaces each latent site's prior by the guide's flow, records plates and values."""
 
-    def __init__(self, guide: AutoPlateAmortizedFlow, observations, calls, covariates) -> None:
+    def __init__(self, guide: AutoPlateAmortizedFlow, observations, calls, covariates, gathers, data) -> None:
         super().__init__()
         self.guide = guide
         self.observations = observations
         self.covariates = covariates
+        self.gathers = gathers
+        self.data = data
         self.forced = calls or {}
         self.encodings: dict[str, torch.Tensor] = {}
         self.base_values: dict[str, torch.Tensor] = {}

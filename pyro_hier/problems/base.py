@@ -45,8 +45,9 @@ class Problem:
     log_evidence: float | None = None
     moments: dict[str, Moments] = field(default_factory=dict)
     reference: str = ""
-    #: how amortized guides see each group's data: ``local_features`` for observations nested in the group plate,
-    #: ``local_data`` ({plate: GroupedData}) for ragged groups (see :class:`~pyro_hier.AutoAmortizedBranchGuide`)
+    #: how amortized guides see each group's data: ``local_features`` (covariates of the observations, nested in the
+    #: group plate or gathering the groups by an index), ``local_data`` ({plate: GroupedData}) for ragged groups given
+    #: by hand (see :class:`~pyro_hier.AutoAmortizedBranchGuide`)
     local_features: Callable | None = field(default=None, repr=False)
     local_data: dict | None = field(default=None, repr=False)
 

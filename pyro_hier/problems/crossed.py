@@ -7,10 +7,13 @@ import functools
 import pyro
 import pyro.distributions as dist
 import torch
+from pyro import poutine
+
+from pyro_hier.plates import gathered_rows
 
 from .linear_gaussian import LinearGaussianProblem, LinearGaussianSystem
 
-__all__ = ["crossed_effects", "crossed_model"]
+__all__ = ["crossed_effects", "crossed_gathered_model", "crossed_model"]
 
 
 def crossed_model(
@@ -44,6 +47,44 @@ def crossed_model(
         if mask is not None:
             d = d.mask(mask)
         pyro.sample("y", d, obs=y)
+
+
+def crossed_gathered_model(
+    y: torch.Tensor,
+    row: torch.Tensor,
+    col: torch.Tensor,
+    num_rows: int,
+    num_cols: int,
+    subsample: torch.Tensor | None = None,
+    *,
+    scale_mu: float = 1.0,
+    scale_row: float = 1.0,
+    scale_col: float = 1.0,
+    scale_obs: float = 1.0,
+) -> None:
+    """:func:`crossed_model` written as item-response models usually are: one flat plate of observed cells, each
+    gathering its row's and its column's effect, ``y_k ~ N(mu + a[row[k]] + b[col[k]], σ²)``.
+
+    Args:
+        y: ``(M,)`` observations (the observed cells only).
+        row, col: ``(M,)`` each cell's row and column.
+        subsample: optional ``LongTensor`` of row indices: their cells are kept (:func:`pyro_hier.plates.
+            gathered_rows`), weighted ``R / len(subsample)``; all columns stay.
+
+    Sites: ``"mu"`` ``()``, ``"a"`` ``(R,)`` (plate ``"rows"``), ``"b"`` ``(C,)`` (plate ``"cols"``), ``"y"``
+    ``(M,)`` (plate ``"cells"``), all plates at ``dim=-1``.
+    """
+    mu = pyro.sample("mu", dist.Normal(y.new_zeros(()), scale_mu))
+    rows = pyro.plate("rows", num_rows, subsample=subsample, dim=-1)
+    cols = pyro.plate("cols", num_cols, dim=-1)
+    with rows:
+        a = pyro.sample("a", dist.Normal(y.new_zeros(()), scale_row))
+    with cols:
+        b = pyro.sample("b", dist.Normal(y.new_zeros(()), scale_col))
+    cells = gathered_rows(row, num_rows, subsample)
+    kept = (lambda t: t) if cells.rows is None else (lambda t: t[cells.rows])
+    with pyro.plate("cells", y.shape[0], subsample=cells.rows, dim=-1), poutine.scale(scale=cells.scale):
+        pyro.sample("y", dist.Normal(mu + a[..., cells.group] + b[..., kept(col)], scale_obs), obs=kept(y))
 
 
 def _crossed_system(
@@ -85,6 +126,7 @@ def crossed_effects(
     seed: int = 0,
     dtype: torch.dtype = torch.float64,
     device: torch.device | str | None = None,
+    gathered: bool = False,
 ) -> LinearGaussianProblem:
     """Crossed random effects on an ``R × C`` grid, with exact answers.
 
@@ -107,6 +149,10 @@ def crossed_effects(
     ``y = A w + ε`` with three ones per row of ``A``; a :class:`LinearGaussianSystem` gives ``log p(y)`` and the
     posterior in ``O(L³ + M)`` (Bishop 2006, §2.3.3).
 
+    ``gathered=True`` gives the same model and data with one flat plate of the observed cells (row-major)
+    gathering their row and column effects (:func:`crossed_gathered_model`: ``args = (y (M,), row, col, R, C)``),
+    whose sites ``"a"``, ``"b"`` have shapes ``(R,)`` and ``(C,)``; the exact answers are the same numbers.
+
     Returns:
         A :class:`LinearGaussianProblem`; ``moments`` has ``"mu"``, ``"a"``, ``"b"`` at the shapes above.
     """
@@ -128,11 +174,20 @@ def crossed_effects(
     system = _crossed_system(mask, scale_mu, scale_row, scale_col, scale_obs, y.device)
     y_flat = y.to(f64).reshape(-1)[mask.reshape(-1)]
     scales = {"scale_mu": scale_mu, "scale_row": scale_row, "scale_col": scale_col, "scale_obs": scale_obs}
+    model, args = functools.partial(crossed_model, **scales), (y,)
+    kwargs = {"mask": mask} if missing_prob > 0 else {}
+    layout = ", gathered" if gathered else ""
+    if gathered:
+        system.sites = {"mu": (), "a": (R,), "b": (C,)}
+        cells = mask.reshape(-1).nonzero().squeeze(-1)
+        row, col = cells // C, cells % C
+        model = functools.partial(crossed_gathered_model, **scales)
+        args, kwargs = (y.reshape(-1)[cells], row, col, R, C), {}
     return LinearGaussianProblem(
-        name=f"crossed_effects(R={R}, C={C}, missing_prob={missing_prob}, seed={seed})",
-        model=functools.partial(crossed_model, **scales),
-        args=(y,),
-        kwargs={"mask": mask} if missing_prob > 0 else {},
+        name=f"crossed_effects(R={R}, C={C}, missing_prob={missing_prob}, seed={seed}{layout})",
+        model=model,
+        args=args,
+        kwargs=kwargs,
         log_evidence=float(system.log_evidence(y_flat)),
         moments=system.moments(y_flat),
         reference="Crossed random effects (Gelman & Hill 2007, §13.5); exact by Gaussian conditioning in "

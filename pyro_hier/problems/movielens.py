@@ -207,7 +207,7 @@ def movielens(
     Example::
 
         p = movielens()
-        guide = AutoAmortizedBranchGuide(p.model, local_data=p.local_data)
+        guide = AutoAmortizedBranchGuide(p.model, local_features=p.local_features)  # each user from their ratings
         ...  # fit with SVI on p.args, p.kwargs (optionally subsample=users)
         heldout_log_likelihood(p, guide, num_samples=1000).per_rating
     """
@@ -252,7 +252,10 @@ def ratings_problem(
         rating: ``(M,)`` 0/1 ratings (float, the dtype of ``features``).
         num_users: number of users (default ``user.max() + 1``).
 
-    ``local_data`` gives each user's training ratings to an amortized guide as ragged rows ``(features, rating)``.
+    ``local_features`` gives each rating's covariates (the item's features) to the guides that encode users from their
+    ratings (:class:`~pyro_hier.AutoAmortizedBranchGuide`, ``AutoPlateAmortizedFlow(encoder="deepset")``), which find
+    each user's ratings in the model; ``local_data`` gives the same rows as ragged ``GroupedData`` ``(features,
+    rating)``.
 
     Example::
 
@@ -280,12 +283,19 @@ def ratings_problem(
         kwargs={"rating": rating[train]},
         log_evidence=None,
         reference=reference,
+        local_features=_rated_item_features,
         local_data={"users": local},
         test_user=user[test],
         test_features=features[test],
         test_rating=rating[test],
         feature_names=feature_names,
     )
+
+
+def _rated_item_features(user, features, num_users, rating=None, subsample=None):
+    """Each rating's covariates: the rated movie's features ``(M, D)`` (full size; the guides select the ratings of
+    a call)."""
+    return features
 
 
 def _codes(values) -> tuple[list, list[int]]:

@@ -110,6 +110,12 @@ def _make_model(prior: str, num_counties: int) -> Callable:
     return model
 
 
+def _home_covariates(county, log_uranium, which_floor, floor_by_county, log_radon=None, subsample=None):
+    """Each home's covariates ``(homes, 3)``: floor, log uranium, floor by county (full size; the guides select the
+    homes of a call)."""
+    return torch.stack([which_floor, log_uranium, floor_by_county], -1)
+
+
 def radon_mn(
     *,
     prior: Literal["uniform", "halfnormal"] = "uniform",
@@ -171,6 +177,8 @@ def radon_mn(
         args=args,
         kwargs={"log_radon": as_float("log_radon")},
         log_evidence=None,
+        # each home's covariates, for guides that encode a county from its homes (the observation is log radon)
+        local_features=_home_covariates,
         # each county's homes as ragged rows (floor, log radon; log uranium is a county-level covariate)
         local_data={
             "counties": GroupedData(

@@ -7,10 +7,13 @@ import functools
 import pyro
 import pyro.distributions as dist
 import torch
+from pyro import poutine
+
+from pyro_hier.plates import gathered_rows
 
 from .linear_gaussian import LinearGaussianProblem, LinearGaussianSystem
 
-__all__ = ["three_level", "three_level_model"]
+__all__ = ["three_level", "three_level_gathered_model", "three_level_model"]
 
 
 def three_level_model(
@@ -39,6 +42,48 @@ def three_level_model(
             b = pyro.sample("b", dist.Normal(a, scale_group))
             with pyro.plate("obs", n, dim=-1):
                 pyro.sample("y", dist.Normal(b, scale_obs), obs=y if subsample is None else y[idx])
+
+
+def three_level_gathered_model(
+    y: torch.Tensor,
+    group_region: torch.Tensor,
+    obs_group: torch.Tensor,
+    num_regions: int,
+    subsample: torch.Tensor | None = None,
+    *,
+    scale_mu: float = 1.0,
+    scale_region: float = 1.0,
+    scale_group: float = 0.5,
+    scale_obs: float = 1.0,
+) -> None:
+    """:func:`three_level_model` written as most users write it: flat plates gathering their parents by an index
+    chain, ``b_g ~ N(a[group_region[g]], s2²)``, ``y_j ~ N(b[obs_group[j]], σ²)``.
+
+    Args:
+        y: ``(M,)`` observations.
+        group_region: ``(G_total,)`` the region of each group.
+        obs_group: ``(M,)`` the group of each observation.
+        num_regions: size of the plate ``"regions"``.
+        subsample: optional ``LongTensor`` of region indices: their groups and their groups' observations are kept
+            (:func:`pyro_hier.plates.gathered_rows`, twice), weighted ``R / len(subsample)`` as the regions.
+
+    Sites: ``"mu"`` ``()``, ``"a"`` ``(R,)`` (plate ``"regions"``), ``"b"`` ``(G_total,)`` (plate ``"groups"``),
+    ``"y"`` ``(M,)`` (plate ``"obs"``), all plates at ``dim=-1``.
+    """
+    mu = pyro.sample("mu", dist.Normal(y.new_zeros(()), scale_mu))
+    with pyro.plate("regions", num_regions, subsample=subsample, dim=-1):
+        a = pyro.sample("a", dist.Normal(mu, scale_region))
+    groups = gathered_rows(group_region, num_regions, subsample)
+    with (
+        pyro.plate("groups", group_region.shape[0], subsample=groups.rows, dim=-1),
+        poutine.scale(scale=groups.scale),
+    ):
+        b = pyro.sample("b", dist.Normal(a[..., groups.group], scale_group))
+    obs = gathered_rows(obs_group, group_region.shape[0], groups.rows)
+    # the observations of the kept groups, weighted as their regions: (R / |S|) per observation in all
+    scale = 1.0 if groups.rows is None else (num_regions / subsample.numel()) * obs.rows.numel() / obs_group.numel()
+    with pyro.plate("obs", obs_group.shape[0], subsample=obs.rows, dim=-1), poutine.scale(scale=scale):
+        pyro.sample("y", dist.Normal(b[..., obs.group], scale_obs), obs=y if obs.rows is None else y[obs.rows])
 
 
 def _three_level_system(
@@ -80,6 +125,7 @@ def three_level(
     seed: int = 0,
     dtype: torch.dtype = torch.float64,
     device: torch.device | str | None = None,
+    gathered: bool = False,
 ) -> LinearGaussianProblem:
     """Three nested plates of Gaussian random effects, with exact answers.
 
@@ -99,6 +145,11 @@ def three_level(
     ``a_r = mu + s1 ξ``, ``b_rg = a_r + s2 ξ`` and ``y = A w + ε`` with ``A`` selecting ``b_rg``; a
     :class:`LinearGaussianSystem` gives ``log p(y)`` and the posterior in ``O(L³ + M)`` (Bishop 2006, §2.3.3).
 
+    ``gathered=True`` gives the same model and data written with flat plates and an index chain
+    (:func:`three_level_gathered_model`: ``args = (y (R G n,), group_region, obs_group, R)``, groups numbered
+    region-major, observations group-major, the nested values flattened), whose sites ``"a"``, ``"b"`` have shapes
+    ``(R,)`` and ``(R G,)``; the exact answers are the same numbers.
+
     Returns:
         A :class:`LinearGaussianProblem`; ``moments`` has ``"mu"``, ``"a"``, ``"b"`` at the shapes above.
     """
@@ -114,10 +165,19 @@ def three_level(
     system = _three_level_system(R, G, n, scale_mu, scale_region, scale_group, scale_obs, y.device)
     y_flat = y.to(f64).reshape(-1)
     scales = {"scale_mu": scale_mu, "scale_region": scale_region, "scale_group": scale_group, "scale_obs": scale_obs}
+    model, args = functools.partial(three_level_model, **scales), (y,)
+    if gathered:
+        system.sites = {"mu": (), "a": (R,), "b": (R * G,)}
+        group_region = torch.arange(R, device=y.device).repeat_interleave(G)
+        obs_group = torch.arange(R * G, device=y.device).repeat_interleave(n)
+        model, args = (
+            functools.partial(three_level_gathered_model, **scales),
+            (y.reshape(-1), group_region, obs_group, R),
+        )
     return LinearGaussianProblem(
-        name=f"three_level(R={R}, G={G}, n={n}, seed={seed})",
-        model=functools.partial(three_level_model, **scales),
-        args=(y,),
+        name=f"three_level(R={R}, G={G}, n={n}, seed={seed}{', gathered' if gathered else ''})",
+        model=model,
+        args=args,
         kwargs={},
         log_evidence=float(system.log_evidence(y_flat)),
         moments=system.moments(y_flat),

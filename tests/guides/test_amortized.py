@@ -148,10 +148,8 @@ def test_new_groups_from_their_data_alone():
 
 
 # ---- errors -------------------------------------------------------------------------------------------------------
-def test_no_local_data_is_a_clear_error():
+def test_bad_local_data_is_a_clear_error():
     x, y, group = ragged_data()
-    with pytest.raises(StructureError, match=r"no local data for site\(s\) \['z'\] in plate 'groups'.*GroupedData"):
-        AutoAmortizedBranchGuide(ragged_model)(x, y, group, len(SIZES))
     with pytest.raises(StructureError, match="num_groups=6 but plate 'groups' has 7"):
         rows = GroupedData(torch.cat([y.unsqueeze(-1), x], -1), group)
         AutoAmortizedBranchGuide(ragged_model, local_data=rows)(x, y, group, 7)

@@ -11,6 +11,7 @@ from pyro.infer import SVI, Trace_ELBO
 from pyro_hier import AutoPlateAmortizedFlow, StructureError
 from pyro_hier.demo import fit_guide
 from pyro_hier.diagnostics import count_parameters, elbo_estimate
+from pyro_hier.encoders import SiteData
 from pyro_hier.local_data import capture_observations
 from pyro_hier.plates import draw_subsamples
 from pyro_hier.problems import gaussian_random_effects, three_level
@@ -219,10 +220,11 @@ def test_deepset_encoding_has_an_exact_linear_part():
     y = trace.nodes["y"]["value"]  # (regions, groups, obs)
     z = encoder.standardize["y"](y.unsqueeze(-1))
     W = encoder.linear["y"].weight
-    got = encoder("regions__groups", observations, calls, {}, y.dtype)
+    data = lambda site, level: SiteData(observations[site], calls, None)  # noqa: E731
+    got = encoder("regions__groups", data, calls, y.dtype)
     expected = z.mean(-2, keepdim=True) @ W.T  # pooled over observations
     assert torch.allclose(got, expected, atol=1e-6)
-    got = encoder("regions", observations, calls, {}, y.dtype)
+    got = encoder("regions", data, calls, y.dtype)
     expected = z.mean((-3, -2), keepdim=True) @ W.T  # then over groups
     assert torch.allclose(got, expected, atol=1e-6)
 
@@ -306,12 +308,16 @@ def test_discrete_sites_are_refused_with_a_pointer():
         AutoPlateAmortizedFlow(model)()
 
 
-def test_deepset_needs_nested_observations():
-    from pyro_hier.problems import radon_mn
+def test_deepset_needs_observations_of_the_level():
+    def model(y):
+        mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+        with pyro.plate("groups", 3):
+            pyro.sample("z", dist.Normal(mu, 1.0))
+        with pyro.plate("obs", y.shape[0]):
+            pyro.sample("y", dist.Normal(mu, 1.0), obs=y)  # reads no group
 
-    p = radon_mn(prior="uniform", dtype=torch.float32)
-    with pytest.raises(StructureError, match=r"encoder='deepset'.*'county_effect'.*encoder='free'"):
-        AutoPlateAmortizedFlow(p.model, encoder="deepset")(*p.args, **p.kwargs)
+    with pytest.raises(StructureError, match=r"encoder='deepset'.*\['z'\].*encoder='free'"):
+        AutoPlateAmortizedFlow(model, encoder="deepset")(torch.randn(5))
 
 
 def test_bad_options():
