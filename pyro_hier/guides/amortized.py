@@ -645,6 +645,13 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         diagonal = self._is_diagonal(level)
         precision = shift = None
         for k, rows, segment, mask in inputs:
+            affine = _affine_map(nets[str(k)])
+            if affine is not None:  # a linear observation map: the sums come from the rows' second moments
+                num = None if segment is None else indices[self._sources[level.name][k].name].shape[0]
+                prec, eta = _linear_statistics(affine, nets[str(k)][0], rows, segment, num, mask, d, r, diagonal)
+                precision = prec if precision is None else precision + prec
+                shift = eta if shift is None else shift + eta
+                continue
             out = nets[str(k)](rows)
             if diagonal:
                 factor, target = out[..., :d], out[..., d:]
@@ -824,6 +831,63 @@ class _ObservationNet(nn.Module):
         scale = self.log_scale.exp()
         factor_scale = scale.repeat(self.factor_size // self.target_size)
         return out * torch.cat([factor_scale, scale])
+
+
+def _affine_map(net: nn.Module) -> torch.Tensor | None:
+    """``A`` with ``net(x) = A [standardise(x); 1]`` when ``net`` is ``Sequential(Standardize, _ObservationNet)``
+    without an MLP (``observation_net=()``), else ``None``. Rows of ``A``: the outputs (``L_j`` then ``t_j``)."""
+    if not (isinstance(net, nn.Sequential) and len(net) == 2 and isinstance(net[1], _ObservationNet)):
+        return None
+    obs = net[1]
+    if obs.mlp is not None:
+        return None
+    scale = obs.log_scale.exp()
+    out_scale = torch.cat([scale.repeat(obs.factor_size // obs.target_size), scale])
+    return out_scale.unsqueeze(-1) * torch.cat([obs.linear.weight, obs.linear.bias.unsqueeze(-1)], dim=-1)
+
+
+def _linear_statistics(
+    affine: torch.Tensor,
+    standardize: nn.Module,
+    rows: torch.Tensor,
+    segment: torch.Tensor | None,
+    num: int | None,
+    mask: torch.Tensor | None,
+    d: int,
+    r: int,
+    diagonal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r""":meth:`AutoAmortizedBranchGuide._natural_statistics` of one source for a linear observation map, from the
+    rows' second moments instead of each row's ``(L_j, t_j)``: with :math:`w_j = [\tilde x_j; 1]` and
+    :math:`L_{j,\cdot k} = A_k w_j`, :math:`t_{jk} = a_k^\top w_j`,
+
+    .. math::
+
+        \sum_j L_j L_j^\top = \sum_k A_k S A_k^\top, \qquad \sum_j L_j t_j = \sum_k A_k S a_k,
+        \qquad S = \sum_j w_j w_j^\top,
+
+    (diagonal: :math:`\sum_j l_{ja}^2 = A_a^\top S A_a`, :math:`\sum_j l_{ja} t_{ja} = A_a^\top S a_a`). ``S`` holds
+    no parameter, so the cost with gradients is :math:`O(d^2 r F)` per group instead of :math:`O(n\,d^2 r)`, whatever
+    the number ``n`` of observations per group. Returns ``(precision (…, d·d or d), shift (…, d))`` as the general
+    path does (rows: ragged ``(M, F)`` with their ``segment``, or nested ``(groups…, members, F)`` with ``mask``)."""
+    w = standardize(rows)
+    w = torch.cat([w, w.new_ones((*w.shape[:-1], 1))], dim=-1)
+    if segment is not None:
+        outer = (w.unsqueeze(-1) * w.unsqueeze(-2)).reshape(w.shape[0], -1)
+        moments = segment_pool(outer, segment, num, "sum").reshape(num, w.shape[-1], w.shape[-1])
+    else:
+        weighted = w if mask is None else w * mask.to(w.dtype).unsqueeze(-1)
+        moments = weighted.mT @ w  # (groups…, F + 1, F + 1)
+    if diagonal:
+        factor, target = affine[:d], affine[d:]  # (d, F + 1) each
+        projected = torch.einsum("ap,...pq->...aq", factor, moments)
+        return (projected * factor).sum(-1), (projected * target).sum(-1)
+    factor = affine[: d * r].reshape(d, r, -1)  # (d, r, F + 1): row a, rank column k
+    target = affine[d * r :]  # (r, F + 1)
+    projected = torch.einsum("akp,...pq->...akq", factor, moments)
+    precision = torch.einsum("...akq,bkq->...ab", projected, factor)
+    shift = torch.einsum("...akq,kq->...a", projected, target)
+    return precision.reshape((*precision.shape[:-2], d * d)), shift
 
 
 def _precision_to_scale_tril(precision: torch.Tensor) -> torch.Tensor:

@@ -373,3 +373,31 @@ def test_a_network_module_for_several_data_sources_is_a_clear_error(option):
     guide = AutoAmortizedBranchGuide(two_observed_sites_model, **{option: nn.Linear(1, 4)})
     with pytest.raises(StructureError, match=f"{option} can serve a single data source"):
         guide(y1, y2)
+
+
+@pytest.mark.parametrize("covariance", ["dense", "block", "diagonal"])
+def test_linear_observation_map_sums_from_second_moments_equal_the_per_row_sums(covariance, monkeypatch):
+    # observation_net=() computes Σ_j L_j L_jᵀ and Σ_j L_j t_j from each group's second moments of its rows; the
+    # per-row formula (the path of every other observation network) must give the same conditionals, for masked
+    # nested rows and for ragged rows
+    from pyro_hier.guides import amortized
+
+    x, y, group = ragged_data()
+    xp, yp, mask = padded(x, y, group)
+    opts = {"covariance": covariance, "observation_net": (), "rank": 2}
+    nested = AutoAmortizedBranchGuide(padded_model, local_features=lambda xp, yp, mask: xp, **opts)
+    nested(xp, yp, mask)
+    with torch.no_grad():
+        for p in nested.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    rows = GroupedData(torch.cat([y.unsqueeze(-1), x], -1), group, num_groups=len(SIZES))
+    ragged = AutoAmortizedBranchGuide(ragged_model, local_data=rows, **opts)
+    ragged(x, y, group, len(SIZES))
+    ragged.load_state_dict(nested.state_dict())
+    fast = [nested.local_posterior(xp, yp, mask)["groups"], ragged.local_posterior(x, y, group, len(SIZES))["groups"]]
+    monkeypatch.setattr(amortized, "_affine_map", lambda net: None)
+    slow = [nested.local_posterior(xp, yp, mask)["groups"], ragged.local_posterior(x, y, group, len(SIZES))["groups"]]
+    for q_fast, q_slow in zip(fast, slow):
+        for key in ("loc", "weight", "scale_tril"):
+            if q_slow[key] is not None:
+                torch.testing.assert_close(q_fast[key], q_slow[key])
