@@ -357,25 +357,26 @@ def keyed_rows(
 
 
 def data_complete(
-    own: set[str] | frozenset[str],
-    reached: set[str] | frozenset[str],
-    target: set[str] | frozenset[str],
-    above: set[str] | frozenset[str],
-    calls: Mapping[str, PlateCall],
+    structure, site: str, target: tuple[str, ...] | set[str], above: set[str], calls: Mapping[str, PlateCall]
 ) -> bool:
     """Whether the elements of a level (plates ``target``; ``above``: its plates and its ancestors') get all their
-    data from an observed site (its plates ``own``, the plates it reaches ``reached``) in this call.
+    data from the observed ``site`` in this call.
 
-    The plates between the site and the level (reached, not above) must hold all their elements, except the
-    site's own plates when the level's plates are subsampled: the rows then follow the groups
-    (:func:`pyro_hier.plates.gathered_rows`, the way to subsample gathered groups), and the call's rows of a group are
-    all its rows. Rows subsampled with every group present, or groups of a level above a subsampled plate, are not
-    complete: their data come from the model's call on all its data."""
-    between = set(reached) - set(above)
-    if any(calls[p].subsampled for p in between - set(own) if p in calls):
-        return False
-    rows_subsampled = any(calls[p].subsampled for p in between & set(own) if p in calls)
-    return not rows_subsampled or any(calls[p].subsampled for p in target if p in calls)
+    Between the site and the level lie the plates the site reaches that are not above the level (its own flat plate
+    of rows, counties between homes and states). When none of them is subsampled the call holds everything. When
+    some are, the call still holds all the data of its elements of the level if the level's plates are subsampled and
+    every subsampled plate in between is *below* them (reaches their elements: the rows follow the groups, as
+    :func:`pyro_hier.plates.gathered_rows` makes them, the way to subsample gathered groups). Rows subsampled with
+    every group present, groups of a level above a subsampled plate (the globals), or a crossed plate subsampled
+    (questions, for the students) leave the call's data incomplete: they come from the model's call on all its
+    data."""
+    reached = structure.reachable_plates(site)
+    own = set(structure.observed[site].plates)
+    between = [p for p in set(reached) - set(above) if p in calls and calls[p].subsampled]
+    if not between:
+        return True
+    follows = any(calls[p].subsampled for p in target if p in calls)
+    return follows and all(set(target) <= (reached if p in own else structure.plate_reach(p)) for p in between)
 
 
 @dataclass

@@ -446,6 +446,17 @@ class ModelStructure:
             out.setdefault(g.plate, g.source)
         return out
 
+    def plate_reach(self, plate: str) -> frozenset[str]:
+        """The plates the elements of ``plate`` belong to or read: the reachable plates
+        (:meth:`reachable_plates`) of its latent sites together (of its observed sites when it holds no latent
+        site). A plate reaching another's elements is *below* it, as a nested plate is (counties below states)."""
+        latent = [n for n, site in self.latent.items() if plate in site.plates]
+        names = latent or [n for n, site in self.observed.items() if plate in site.plates]
+        out: set[str] = {plate}
+        for name in names:
+            out |= self.reachable_plates(name)
+        return frozenset(out)
+
     def reachable_plates(self, site: str) -> frozenset[str]:
         """The plates whose elements each element of ``site`` belongs to or reads: its own plates, the plates it
         reads through gathers and, through the sites it reads, theirs (homes gathering counties that gather states

@@ -587,9 +587,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         assert self.structure is not None and self._observed_rows is not None
         s = self.structure
         above = set(level.plates).union(*(self._levels[a].plates for a in level.ancestors))
-        complete = data_complete(
-            set(s.observed[source.name].plates), s.reachable_plates(source.name), set(level.plates), above, calls
-        )
+        complete = data_complete(s, source.name, level.plates, above, calls)
         view = self._observed_rows.rows(
             source.name,
             args,

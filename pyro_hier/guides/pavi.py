@@ -357,9 +357,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                         )
                     out[key] = self._last_data[key]
                     continue
-                complete = not gathered or data_complete(
-                    set(s.observed[name].plates), s.reachable_plates(name), set(level.plates), above, calls
-                )
+                complete = not gathered or data_complete(s, name, level.plates, above, calls)
                 if complete:
                     data = SiteData(observations[name], calls, covariates.get(name), gathers)
                 else:

@@ -4,6 +4,7 @@ MovieLens' ratings, index chains, crossed item-response plates), in every guide.
 The central check: the gathered and the nested (padded and masked) formulations of one model give the same guide
 structure and, from the same seed, the same ELBO estimate (float64, to 1e-6)."""
 
+import itertools
 import math
 
 import pyro
@@ -12,8 +13,16 @@ import pytest
 import torch
 from pyro import poutine
 from pyro.infer import Trace_ELBO
+from pyro.poutine.subsample_messenger import _Subsample
 
-from pyro_hier import AutoAmortizedBranchGuide, AutoBranchGuide, AutoHierarchicalVM, AutoPlateAmortizedFlow
+from pyro_hier import (
+    AutoAmortizedBranchGuide,
+    AutoBranchGuide,
+    AutoHierarchicalVM,
+    AutoPlateAmortizedFlow,
+    StructureError,
+)
+from pyro_hier.plates import capture_plates, gathered_rows
 from pyro_hier.problems import crossed_effects, movielens, radon_mn, three_level
 
 GUIDES = {
@@ -175,3 +184,154 @@ def test_gathered_and_nested_formulations_give_the_same_guide_and_elbo(twins, na
         assert len(lv) == len(ln) and [len(a or ()) for a in lv] == [len(a or ()) for a in ln]
     assert math.isfinite(values["gathered"])
     assert values["gathered"] == pytest.approx(values["nested"], abs=1e-6, rel=0)
+
+
+# ---- minibatches: the average of the minibatch ELBO over all minibatches is the full-data ELBO -------------------
+J, M = 4, 6
+_g = torch.Generator().manual_seed(7)
+COUNTY = torch.tensor([0, 1, 2, 3, 1, 2])
+X = torch.randn(M, generator=_g, dtype=torch.float64)
+Y = torch.randn(M, generator=_g, dtype=torch.float64) + COUNTY.double()
+
+
+def tiny_model(county, x, y=None, subsample=None, rows=None):
+    """Homes gathering their county's effect; ``subsample`` minibatches counties (their homes follow,
+    gathered_rows), ``rows`` minibatches homes with every county present."""
+    mu = pyro.sample("mu", dist.Normal(x.new_zeros(()), 1.0))
+    tau = pyro.sample("tau", dist.HalfNormal(x.new_ones(())))
+    w = pyro.sample("w", dist.Normal(x.new_zeros(()), 1.0))
+    with pyro.plate("counties", J, dim=-1, subsample=subsample):
+        a = pyro.sample("a", dist.Normal(mu, tau))
+    if rows is None:
+        sel = gathered_rows(county, J, subsample)
+        rows, group, scale = sel.rows, sel.group, sel.scale
+    else:
+        group, scale = county[rows], 1.0
+
+    def kept(t):
+        return t if rows is None else t[rows]
+
+    with pyro.plate("homes", county.shape[0], dim=-1, subsample=rows), poutine.scale(scale=scale):
+        pyro.sample("y", dist.Normal(a[..., group] + w * kept(x), 0.7), obs=None if y is None else kept(y))
+
+
+def tiny_features(county, x, y=None, subsample=None, rows=None):
+    return x.unsqueeze(-1)
+
+
+def sliced(trace, calls):
+    """``trace`` (of the full call) with every site's value cut to the plate elements of ``calls``: the same draws
+    for the elements a minibatch keeps (fixed guide noise)."""
+    out = trace.copy()
+    for name, node in out.nodes.items():
+        if node["type"] != "sample":
+            continue
+        node = out.nodes[name] = dict(node)
+        if isinstance(node["fn"], _Subsample):
+            node["value"] = calls[name].indices
+            continue
+        value = node["value"]
+        event_dim = node["fn"].event_dim
+        for frame in node["cond_indep_stack"]:
+            call = calls.get(frame.name)
+            if call is not None and call.subsampled and frame.dim is not None:
+                value = value.index_select(value.dim() - event_dim + frame.dim, call.indices)
+        node["value"] = value
+    return out
+
+
+def replayed_elbo(model, guide, trace, args, kwargs):
+    with torch.no_grad():
+        return -Trace_ELBO().loss(model, poutine.replay(guide, trace=trace), *args, **kwargs)
+
+
+def minibatch_average(model, guide, args, kwargs, minibatches):
+    """The full-data ELBO estimate and the average over ``minibatches`` (kwargs) of the minibatch estimates, all
+    with the guide's draws of the full call."""
+    pyro.set_rng_seed(5)
+    full = poutine.trace(guide).get_trace(*args, **kwargs)
+    estimates = []
+    for extra in minibatches:
+        calls = capture_plates(model, args, {**kwargs, **extra})
+        estimates.append(replayed_elbo(model, guide, sliced(full, calls), args, {**kwargs, **extra}))
+    return replayed_elbo(model, guide, full, args, kwargs), sum(estimates) / len(estimates)
+
+
+MINIBATCHES = {
+    "counties": [{"subsample": torch.tensor(s)} for s in itertools.combinations(range(J), 2)],
+    "homes": [{"rows": torch.tensor(s)} for s in itertools.combinations(range(M), 3)],
+}
+
+
+@pytest.mark.parametrize("kind", list(MINIBATCHES))
+@pytest.mark.parametrize("name", list(GUIDES))
+def test_minibatch_elbo_is_unbiased(name, kind):
+    """Counties subsampled with their homes (gathered_rows), or homes subsampled with every county present: over
+    all minibatches the minibatch ELBO averages to the full one, draw by draw — each element's q does not depend on
+    which others are in the minibatch (amortized encodings read each group's full data)."""
+    args, kwargs = (COUNTY, X), {"y": Y}
+    features = tiny_features if name in WITH_FEATURES else None
+    guide = perturbed_guide(GUIDES[name], tiny_model, args, kwargs, features)
+    full, average = minibatch_average(tiny_model, guide, args, kwargs, MINIBATCHES[kind])
+    assert math.isfinite(full)
+    assert average == pytest.approx(full, abs=1e-8 * (1 + abs(full)))
+
+
+MINIBATCH_PROBLEMS = {
+    # regions subsampled, their groups and the groups' observations following (two gathered_rows)
+    "chain": (lambda: three_level(num_regions=3, num_groups=2, num_obs=2, gathered=True), 3),
+    # rows subsampled with their cells, every column present: the columns' data are incomplete in a minibatch
+    "crossed": (lambda: crossed_effects(num_rows=3, num_cols=2, gathered=True), 3),
+}
+
+
+@pytest.mark.parametrize("problem", list(MINIBATCH_PROBLEMS))
+@pytest.mark.parametrize("name", list(GUIDES))
+def test_minibatch_elbo_is_unbiased_in_chains_and_crossed_plates(name, problem):
+    make, size = MINIBATCH_PROBLEMS[problem]
+    p = make()
+    guide = perturbed_guide(GUIDES[name], p.model, p.args, p.kwargs, None)
+    subsets = [{"subsample": torch.tensor(s)} for s in itertools.combinations(range(size), 2)]
+    full, average = minibatch_average(p.model, guide, p.args, p.kwargs, subsets)
+    assert average == pytest.approx(full, abs=1e-8 * (1 + abs(full)))
+
+
+# ---- data sources: levels without data, factors, calls without the observations -----------------------------------
+def test_levels_without_data_keep_free_parameters_and_say_so():
+    y = torch.randn(5, 4, dtype=torch.float64)
+
+    def model(y):
+        mu = pyro.sample("mu", dist.Normal(y.new_zeros(()), 1.0))
+        with pyro.plate("extra", 3, dim=-1):  # no observation reads these
+            pyro.sample("e", dist.Normal(mu, 1.0))
+        with pyro.plate("groups", 5, dim=-2):
+            z = pyro.sample("z", dist.Normal(mu, 1.0))
+            with pyro.plate("obs", 4, dim=-1):
+                pyro.sample("y", dist.Normal(z, 1.0), obs=y)
+            pyro.factor("penalty", -0.1 * z.squeeze(-1).pow(2))  # a log-density term, not data
+
+    guide = AutoAmortizedBranchGuide(model, feature_net=(8, 4), param_net=(8,))
+    svi = pyro.infer.SVI(model, guide, pyro.optim.Adam({"lr": 0.01}), Trace_ELBO())
+    assert all(math.isfinite(svi.step(y)) for _ in range(3))
+    assert guide.amortized_levels == ("groups",) and guide.free_levels == ("extra",)
+    assert guide.locs.extra.shape == (3, 1)  # free per-element parameters
+    assert "amortized levels ['groups']" in repr(guide) and "free levels ['extra']" in repr(guide)
+    assert guide.median(y)["e"].shape == (3,)
+
+
+@pytest.mark.parametrize("form", ["natural", "paper"])
+def test_calls_without_the_observations_encode_from_the_last_data(form):
+    """Predictive(model, guide) with obs=None: the groups are encoded from the data of the last call that had them."""
+    args, kwargs = (COUNTY, X), {"y": Y}
+    make = GUIDES[f"amortized-{form}"]
+    guide = perturbed_guide(make, tiny_model, args, kwargs, tiny_features)
+    with_data = guide.median(*args, **kwargs)
+    without = guide.median(*args)  # y omitted
+    for site in with_data:
+        torch.testing.assert_close(without[site], with_data[site])
+    draws = pyro.infer.Predictive(tiny_model, guide=guide, num_samples=4)(*args)
+    assert draws["y"].shape == (4, M) and draws["a"].shape == (4, J)
+    # a minibatch of counties was the last call with data: the others cannot be encoded without it
+    guide(*args, **kwargs, subsample=torch.tensor([0, 2]))
+    with pytest.raises(StructureError, match=r"elements \[1, 3\] of plate 'counties' were not in it"):
+        guide.median(*args)
