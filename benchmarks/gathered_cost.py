@@ -97,7 +97,7 @@ def main() -> None:
             try:
                 warm_guide = make(problem)
                 warm_guide(*problem.args, **problem.kwargs)
-            except Exception as e:  # noqa: BLE001 (a guide that refuses the model: say so)
+            except Exception as e:
                 print(f"{label:<44} {name:<26} {type(e).__name__}: {str(e).splitlines()[0][:60]}")
                 continue
             time_steps(problem, warm_guide, batches, cold=False)  # fill the table (one pass over the batches)

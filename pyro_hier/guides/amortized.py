@@ -645,7 +645,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         for k, rows, segment, mask in inputs:
             affine = _affine_map(nets[str(k)])
             if affine is not None:  # a linear observation map: the sums come from the rows' second moments
-                num = None if segment is None else indices[self._sources[level.name][k].name].shape[0]
+                num = None if segment is None else math.prod(self._level_shape(level, indices))
                 prec, eta = _linear_statistics(affine, nets[str(k)][0], rows, segment, num, mask, d, r, diagonal)
                 precision = prec if precision is None else precision + prec
                 shift = eta if shift is None else shift + eta

@@ -335,3 +335,15 @@ def test_calls_without_the_observations_encode_from_the_last_data(form):
     guide(*args, **kwargs, subsample=torch.tensor([0, 2]))
     with pytest.raises(StructureError, match=r"elements \[1, 3\] of plate 'counties' were not in it"):
         guide.median(*args)
+
+
+def test_linear_observation_map_on_gathered_rows_equals_the_nested_formulation():
+    """observation_net=() sums each group's rows' second moments: the same for gathered rows as for nested ones."""
+    twins = radon_twins()
+    values = []
+    for model, args, kwargs, features in (twins.gathered, twins.nested):
+        guide = perturbed_guide(
+            lambda m, **kw: AutoAmortizedBranchGuide(m, observation_net=(), **kw), model, args, kwargs, features
+        )
+        values.append(elbo(model, guide, args, kwargs))
+    assert values[0] == pytest.approx(values[1], abs=1e-6, rel=0)
