@@ -43,6 +43,7 @@ from pyro.poutine.messenger import Messenger
 from pyro.poutine.subsample_messenger import _Subsample
 
 from pyro_hier.errors import StructureError
+from pyro_hier.gathers import keep_random_state
 from pyro_hier.infer.gathered import GatheredPlates, SegmentSum, find_gathered_plates
 from pyro_hier.structure import LatentSite, ModelStructure, PlateInfo, inspect_model
 
@@ -636,15 +637,18 @@ def describe_call(
     model: Callable, args: tuple, kwargs: dict, subsamples: dict[str, torch.Tensor] | None = None
 ) -> ModelStructure:
     """:func:`~pyro_hier.structure.inspect_model` of the call ``model(*args, **kwargs)``, with the plates in
-    ``subsamples`` opened with those indices (those the proposal drew) unless the model gives its own."""
+    ``subsamples`` opened with those indices (those the proposal drew) unless the model gives its own. The caller's
+    random state is left as it was (the samples do not depend on the inspection)."""
     if subsamples:
 
-        def model_with_subsamples(*a, **k):
+        def described(*a, **k):
             with _GivenSubsamples(subsamples):
                 return model(*a, **k)
 
-        return inspect_model(model_with_subsamples, args, kwargs, num_calls=1)
-    return inspect_model(model, args, kwargs, num_calls=1)
+    else:
+        described = model
+    with keep_random_state():
+        return inspect_model(described, args, kwargs, num_calls=1)
 
 
 def build_factor_graph(
