@@ -224,6 +224,13 @@ def test_brute_force_index_chain(proposal):
     assert torch.allclose(lp, lw.reshape(-1) - log_p, atol=1e-6)
     draws = mp.sample_posterior(4)
     assert draws["c"].shape == (4, 3) and draws["s"].shape == (4, 2)
+    if proposal == "guide":  # drawn pairs (index of county 0's state, index of county 0) against their exact joint
+        S = 3000
+        idx = mp.sample_indices(S)
+        pairs = torch.bincount(idx["s"][:, CS[0]] * K + idx["c"][:, 0], minlength=K * K).to(f64)
+        joint = w.sum(tuple(d for d in range(6) if d not in (1 + int(CS[0]), 3))).reshape(-1)
+        stat = ((pairs - S * joint) ** 2 / (S * joint)).sum()
+        assert float(torch.special.gammaincc(torch.tensor((K * K - 1) / 2, dtype=f64), stat / 2)) > 1e-3
 
 
 # ------------------------------------------------------------------------------------------------- chunks
