@@ -35,56 +35,27 @@ __all__ = [
     "full_data_call",
     "read_elements",
     "same_key",
-    "take_elements",
 ]
 
 #: tables larger than this many reading elements are not kept (crossed plates of 10⁵ × 10⁴): such calls are traced
 MAX_TABLE = 2**26
 
 
-def take_elements(x: torch.Tensor, dim: int, index: torch.Tensor, event_dim: int = 0) -> torch.Tensor:
-    """``x`` read at ``index`` along the plate at batch dim ``dim``: element ``b`` of the result is ``x`` at
-    ``b`` with the plate's position replaced by ``index[b]``.
-
-    ``x`` is ``(batch…, event…)`` with ``event_dim`` event dims and the plate at batch dim ``dim`` (negative);
-    ``index`` is a ``LongTensor`` of batch dims (the reading site's layout, e.g. ``(C,)`` for counties reading their
-    state). The result's batch shape broadcasts ``x``'s (the plate's dim reduced to 1) with ``index``'s shape.
-    Negative positions (reads nothing) give the plate's element 0: mask them where it matters.
-
-    Example::
-
-        take_elements(state_values, -1, county_state, event_dim=1)  # (S, d) -> (C, d)
-    """
-    batch_ndim = x.dim() - event_dim
-    nb = max(batch_ndim, index.dim(), -dim)
-    x = x.reshape((1,) * (nb - batch_ndim) + tuple(x.shape))
-    index = index.reshape((1,) * (nb - index.dim()) + tuple(index.shape))
-    pos = nb + dim
-    reduced = list(x.shape[:nb])
-    reduced[pos] = 1
-    out_batch = torch.broadcast_shapes(tuple(reduced), tuple(index.shape))
-    source_batch = list(out_batch)
-    source_batch[pos] = x.shape[pos]
-    event = tuple(x.shape[nb:])
-    source = x.expand(tuple(source_batch) + event)
-    idx = index.clamp(min=0).to(x.device).expand(out_batch)
-    idx = idx.reshape(tuple(out_batch) + (1,) * len(event)).expand(tuple(out_batch) + event)
-    return torch.gather(source, pos, idx)
-
-
 def arguments_key(args: tuple, kwargs: Mapping, calls: Mapping[str, PlateCall] | None = None) -> tuple:
-    """What identifies the data of a call: the argument objects themselves (compared with ``is``), except the
-    subsample indices the model passes to its plates (``calls``' user indices), which change from step to step."""
+    """What identifies the data of a call: the argument objects themselves (compared with ``is``; a tensor also by
+    its version counter, so that changing it in place counts as new data), except the subsample indices the model
+    passes to its plates (``calls``' user indices, or ``None`` for all), which change from step to step."""
     skip = [c.indices for c in (calls or {}).values() if c.user_indices]
 
     def part(value):
         if value is None or any(value is s for s in skip):  # None: the call on all the data
             return ("subsample",)
-        if value is None or isinstance(value, int | float | str | bool):
+        if isinstance(value, int | float | str | bool):
             return ("value", value)
-        return ("object", value)
+        return ("object", value, value._version if isinstance(value, torch.Tensor) else None)
 
-    return (tuple(part(a) for a in args), tuple((k, part(v)) for k, v in sorted(kwargs.items())))
+    keyword = ((k, part(v)) for k, v in sorted(kwargs.items()))
+    return (tuple(part(a) for a in args), tuple((k, p) for k, p in keyword if p != ("subsample",)))
 
 
 def same_key(a: tuple | None, b: tuple) -> bool:
@@ -95,7 +66,7 @@ def same_key(a: tuple | None, b: tuple) -> bool:
     def eq(x, y) -> bool:
         if x[0] != y[0]:
             return False
-        return x[1] is y[1] if x[0] == "object" else x[1:] == y[1:]
+        return x[1] is y[1] and x[2] == y[2] if x[0] == "object" else x[1:] == y[1:]
 
     (a_args, a_kw), (b_args, b_kw) = a, b
     if len(a_args) != len(b_args) or [k for k, _ in a_kw] != [k for k, _ in b_kw]:

@@ -31,6 +31,8 @@ from pyro.poutine.messenger import Messenger
 from pyro.poutine.subsample_messenger import _Subsample
 
 from pyro_hier.errors import StructureError
+from pyro_hier.gather_maps import arguments_key, full_data_call, same_key
+from pyro_hier.gathers import keep_random_state
 from pyro_hier.plates import PlateCall, PlateRecorder
 
 __all__ = [
@@ -474,9 +476,6 @@ class ObservedRows:
         arguments are the same objects: ``{"args", "kwargs", "calls", "observations", "gathers"}``.
 
         :raises StructureError: if a plate stays subsampled in that call (its indices are not an argument)."""
-        from pyro_hier.gather_maps import arguments_key, full_data_call, same_key
-        from pyro_hier.gathers import keep_random_state
-
         key = arguments_key(args, kwargs, calls)
         if self._full is not None and same_key(self._full_key, key):
             return self._full

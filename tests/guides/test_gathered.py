@@ -347,3 +347,20 @@ def test_linear_observation_map_on_gathered_rows_equals_the_nested_formulation()
         )
         values.append(elbo(model, guide, args, kwargs))
     assert values[0] == pytest.approx(values[1], abs=1e-6, rel=0)
+
+
+def test_gathers_are_traced_once_per_row_while_the_data_are_the_same():
+    """The table of gathers: a minibatch whose rows were all seen costs no model run; new or changed data reset it."""
+    county, x, y = COUNTY.clone(), X.clone(), Y.clone()
+    guide = perturbed_guide(GUIDES["amortized-natural"], tiny_model, (county, x), {"y": y}, tiny_features)
+    maps = guide._gather_maps
+    runs = maps.runs
+    for batch in ([0, 1], [2, 3], [1, 2], [0, 3]):
+        guide(county, x, y=y, subsample=torch.tensor(batch))
+    assert maps.runs == runs  # the setup call saw every row
+    county[[0, 4]] = county[[4, 0]]  # the data change in place: the table is rebuilt, and right
+    got = guide.local_posterior(county, x, y=y)["counties"]["loc"]
+    assert maps.runs == runs + 1
+    expected = guide.local_posterior(county.clone(), x, y=y)["counties"]["loc"]  # new data: traced afresh
+    torch.testing.assert_close(got, expected)
+    assert not torch.allclose(got, guide.local_posterior(COUNTY, x, y=y)["counties"]["loc"])
