@@ -435,3 +435,29 @@ def test_two_reads_of_one_plate_by_different_indices_are_refused():
 
     with pytest.raises(StructureError, match=r"element 0 of plate 'obs' reads element 2 of plate 'groups' in site 'y'"):
         MPImportance(model, num_samples=2).run(Y)
+
+
+def test_rows_that_read_no_group_are_exact():
+    """Rows whose covariate is 0 read no element of the groups (the structure gives them index -1): their factor is
+    the same for every sample, so any group may take it; the estimate is still the brute-force sum."""
+    w = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0], dtype=f64)
+
+    def model(y):
+        mu = pyro.sample("mu", Normal(y.new_zeros(()), 1.0))
+        with pyro.plate("groups", G, dim=-1):
+            z = pyro.sample("z", Normal(mu, 1.0))
+        with pyro.plate("obs", len(GROUP), dim=-1):
+            pyro.sample("y", Normal(z[..., GROUP] * w, 1.0), obs=y)
+
+    K = 3
+    mp = MPImportance(model, num_samples=K).run(Y)
+    s = mp.proposal_samples
+    mu, z = s["mu"].reshape(K), s["z"].reshape(K, G)
+    combos = all_combinations(K, 1 + G)
+    lw = torch.full((len(combos),), -(1 + G) * math.log(K), dtype=f64)
+    for g in range(G):
+        kz = combos[:, 1 + g]
+        zz = z[kz, g]
+        lw = lw + p_normal(mu[combos[:, 0]], 1.0, zz) - p_normal(mu[kz], 1.0, zz)  # prior proposal, diagonal
+        lw = lw + sum(p_normal(zz * w[i], 1.0, Y[i]) for i in range(len(GROUP)) if int(GROUP[i]) == g)
+    assert abs(float(mp.get_log_normalizer()) - float(lw.logsumexp(0))) < 1e-9

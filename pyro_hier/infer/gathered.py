@@ -222,6 +222,11 @@ def find_gathered_plates(
             index = _along(g.index, structure.plates[plate].dim).to(torch.long)
             if index.numel() == 1 and sizes[plate] > 1:
                 index = index.expand(sizes[plate])
+            if index.numel() != sizes[plate]:
+                raise StructureError(
+                    f"site {name!r} reads plate {g.plate!r} through an index of {index.numel()} elements along its "
+                    f"plate {plate!r}, which has {sizes[plate]} in this call"
+                )
             reads = edges.setdefault(plate, {})
             if g.plate in reads:
                 old, who, source = reads[g.plate]
@@ -254,7 +259,12 @@ def find_gathered_plates(
         visiting.discard(plate)
         candidates = [q for q in reads if all(o == q or o in tree.ancestors(q) for o in reads)]
         if not candidates:
-            a, b = next((a, b) for a in reads for b in reads if a != b and a not in tree.ancestors(b))
+            a, b = next(
+                (a, b)
+                for a in reads
+                for b in reads
+                if a != b and a not in tree.ancestors(b) and b not in tree.ancestors(a)
+            )
             raise StructureError(
                 f"plate {plate!r} reads elements of plates {a!r} (site {reads[a][1]!r}, from {reads[a][2]!r}) and "
                 f"{b!r} (site {reads[b][1]!r}, from {reads[b][2]!r}), and neither is gathered into the other: crossed "
