@@ -22,6 +22,7 @@ from pyro_hier import (
     AutoPlateAmortizedFlow,
     StructureError,
 )
+from pyro_hier.local_data import capture_observations
 from pyro_hier.plates import capture_plates, gathered_rows
 from pyro_hier.problems import crossed_effects, movielens, radon_mn, three_level
 
@@ -364,3 +365,23 @@ def test_gathers_are_traced_once_per_row_while_the_data_are_the_same():
     expected = guide.local_posterior(county.clone(), x, y=y)["counties"]["loc"]  # new data: traced afresh
     torch.testing.assert_close(got, expected)
     assert not torch.allclose(got, guide.local_posterior(COUNTY, x, y=y)["counties"]["loc"])
+
+
+def test_deepset_keeps_the_last_data_as_plain_tensors_for_calls_without_observations():
+    """The deep set's data for a call without observations: the last call's, kept with their gathers as plain
+    tensors (they pickle), giving the same encodings as the live data."""
+    import pickle
+
+    args, kwargs = (COUNTY, X), {"y": Y}
+    guide = perturbed_guide(GUIDES["pavi-deepset"], tiny_model, args, kwargs, tiny_features)
+    batch = {**kwargs, "subsample": torch.tensor([1, 3])}
+    calls, observations = capture_observations(guide.model, args, batch)
+    gathers = guide._gather_maps.call(args, batch, calls)
+    live = guide._site_data(args, batch, calls, observations, {"y": X.unsqueeze(-1)}, gathers)
+    kept = pickle.loads(pickle.dumps(guide._last_data))  # what the call left for calls without observations
+    encoder = guide._modules["encoder"]
+    for level in ("globals", "counties"):
+        expected = encoder(level, lambda site, lv: live[(site, lv)], calls, torch.float64)
+        again = encoder(level, lambda site, lv: kept[(site, lv)], calls, torch.float64)
+        torch.testing.assert_close(again, expected)
+    assert kept[("y", "globals")].calls["counties"].subsample_size == J  # the globals read every county's rows
