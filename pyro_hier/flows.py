@@ -4,29 +4,29 @@ A conditional flow here is a :class:`~pyro.distributions.conditional.Conditional
 returns a bijection of vectors of size ``input_dim`` for a context ``c`` of size ``context_dim`` (broadcast over
 batch dims). The default, as in PAVI (Rouillard et al. 2023, App. B), is an elementwise affine block followed by a
 masked autoregressive flow (Papamakarios et al. 2017; Pyro's :class:`~pyro.distributions.transforms.
-ConditionalAffineAutoregressive`).
+ConditionalAffineAutoregressive`). Both named flows start as the identity map.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 import torch
 from pyro.distributions.conditional import ConditionalComposeTransformModule, ConditionalTransformModule
-from pyro.distributions.transforms import conditional_affine_autoregressive
+from pyro.distributions.transforms import ConditionalAffineAutoregressive
+from pyro.nn import ConditionalAutoRegressiveNN
 from torch.distributions.transforms import AffineTransform
 
 from pyro_hier.nn import MLP, readout_multiplier
+from pyro_hier.transforms import positive, positive_inv
 
-__all__ = ["FLOWS", "ConditionalAffine", "make_flow"]
-
-_SOFTPLUS_INV_1 = math.log(math.e - 1.0)
+__all__ = ["FLOWS", "ConditionalAffine", "FreeAffine", "make_flow"]
 
 
 class ConditionalAffine(ConditionalTransformModule):
-    r"""``x ↦ a(c) + s(c) ⊙ x`` with ``[a, s̃] = MLP(c) / H + W c`` and ``s = softplus(s̃ + log(e − 1))`` (1 at 0),
-    ``H`` the width of the MLP's last hidden layer.
+    r"""``x ↦ a(c) + s(c) ⊙ x`` with ``[a, s̃] = MLP(c) / H + W c`` and ``s = e^{s̃}``
+    (:func:`~pyro_hier.transforms.positive`, the positive map of every guide: an Adam step changes ``log s`` by
+    about the learning rate, so small and large scales move alike), ``H`` the width of the MLP's last hidden layer.
 
     The linear path ``W c`` lets the shift be an exact affine function of the context (a linear-Gaussian model's
     posterior mean is affine in the parents' values); the MLP adds what is not linear. The MLP's last layer and ``W``
@@ -61,9 +61,32 @@ class ConditionalAffine(ConditionalTransformModule):
     def condition(self, context: torch.Tensor) -> AffineTransform:
         out = self.output_multiplier * self.net(context) + self.linear(context)
         shift, raw_scale = out[..., : self.input_dim], out[..., self.input_dim :]
-        # scales below softplus(-15) ≈ 3e-7 would make the inverse overflow (Pyro's affine flows clip too)
-        scale = torch.nn.functional.softplus((raw_scale + _SOFTPLUS_INV_1).clamp(min=-15.0))
+        # scales below e^-15 ≈ 3e-7 would make the inverse overflow (Pyro's affine flows clip too)
+        scale = positive(raw_scale.clamp(min=-15.0))
         return AffineTransform(shift, scale, event_dim=1)
+
+
+class FreeAffine(torch.nn.Module):
+    r"""An elementwise affine map with free parameters, ``x ↦ b + e^{β} ⊙ x`` (``e^β`` is
+    :func:`~pyro_hier.transforms.positive`): Adam moves ``b`` and ``log`` of the scale by about the learning rate per
+    step, as it does ``AutoNormal``'s locations and (small) scales.
+
+    :param loc: initial ``b`` (vector).
+    :param scale: initial ``e^β`` (vector, positive).
+
+    Example::
+
+        t = FreeAffine(torch.zeros(2), torch.full((2,), 0.1))
+        t.transform()(torch.ones(2))   # tensor([0.1000, 0.1000])
+    """
+
+    def __init__(self, loc: torch.Tensor, scale: torch.Tensor) -> None:
+        super().__init__()
+        self.loc = torch.nn.Parameter(loc.detach().clone())
+        self.log_scale = torch.nn.Parameter(positive_inv(scale.detach()).clone())
+
+    def transform(self) -> AffineTransform:
+        return AffineTransform(self.loc, positive(self.log_scale), event_dim=1)
 
 
 def _affine(input_dim: int, context_dim: int, hidden: Sequence[int]) -> ConditionalTransformModule:
@@ -73,13 +96,16 @@ def _affine(input_dim: int, context_dim: int, hidden: Sequence[int]) -> Conditio
 def _affine_maf(input_dim: int, context_dim: int, hidden: Sequence[int]) -> ConditionalTransformModule:
     if input_dim == 1:  # an autoregressive flow of one coordinate is one more conditional affine map
         return ConditionalAffine(input_dim, context_dim, hidden)
-    return ConditionalComposeTransformModule(
-        [
-            ConditionalAffine(input_dim, context_dim, hidden),
-            conditional_affine_autoregressive(input_dim, context_dim, hidden_dims=list(hidden)),
-        ],
-        cache_size=1,
+    # a fixed variable order (Pyro draws one at random into a buffer, which Pyro's param store does not save: a guide
+    # rebuilt and given the stored parameters would then order its variables differently)
+    arn = ConditionalAutoRegressiveNN(
+        input_dim, context_dim, list(hidden), param_dims=[1, 1], permutation=torch.arange(input_dim)
     )
+    maf = ConditionalAffineAutoregressive(arn)
+    with torch.no_grad():  # start as the identity (zero shift and log-scale), as ConditionalAffine does
+        maf.nn.layers[-1].weight.zero_()
+        maf.nn.layers[-1].bias.zero_()
+    return ConditionalComposeTransformModule([ConditionalAffine(input_dim, context_dim, hidden), maf], cache_size=1)
 
 
 #: Named flows: ``name → factory(input_dim, context_dim, hidden)``.

@@ -28,6 +28,7 @@ from functools import cached_property
 
 import torch
 from pyro import poutine
+from pyro.distributions import constraints as pyro_constraints
 from pyro.distributions.torch_distribution import TorchDistributionMixin
 from pyro.poutine.subsample_messenger import _Subsample
 from torch.distributions import biject_to, constraints
@@ -734,6 +735,13 @@ def _describe_latent(site: dict, common: dict, plate_ancestors: tuple[str, ...])
     discrete = bool(support.is_discrete)
     u_shape = u_event_dim = None
     if not discrete:
+        if isinstance(support, type(pyro_constraints.sphere)):
+            raise StructureError(
+                f"site '{site['name']}' is sphere-valued ({type(fn).__name__}): it has no unconstrained space to "
+                "approximate in. Reparameterise it, as for AutoNormal: "
+                f"poutine.reparam(model, config={{'{site['name']}': pyro.infer.reparam.ProjectedNormalReparam()}}) "
+                "for a ProjectedNormal."
+            )
         try:
             transform = biject_to(support)
         except NotImplementedError as e:

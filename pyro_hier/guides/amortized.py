@@ -31,7 +31,7 @@ from pyro_hier.local_data import (
 from pyro_hier.nn import MLP, Standardize, masked_pool, segment_pool, with_square
 from pyro_hier.plates import PlateCall, capture_plates
 from pyro_hier.structure import ModelStructure, PlateLevel
-from pyro_hier.transforms import prox_positive, prox_positive_inv, scale_tril_from_raw
+from pyro_hier.transforms import positive, positive_inv, scale_tril_from_raw
 
 __all__ = ["AutoAmortizedBranchGuide"]
 
@@ -63,13 +63,14 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
 
         (L_{ij}, t_{ij}) = f(x_{ij}, y_{ij}), \qquad
         \Lambda_i = \Lambda_0 + \sum_j L_{ij} L_{ij}^\top, \qquad
-        \eta_i = \eta_0 + \Lambda_0 B\, u_{\mathrm{anc}} + \sum_j L_{ij} t_{ij}, \qquad
+        \eta_i = \Lambda_0 (m_0 + B\, u_{\mathrm{anc}}) + \sum_j L_{ij} t_{ij}, \qquad
         q(u_i \mid u_{\mathrm{anc}}) = \mathcal N(\Lambda_i^{-1}\eta_i,\ \Lambda_i^{-1}),
 
     i.e. each observation contributes the pseudo-likelihood :math:`\mathcal N(t_{ij};\ L_{ij}^\top u_i, I_r)` with
-    :math:`L_{ij}` of shape ``d × rank``, and :math:`\Lambda_0` (Cholesky-parameterised), :math:`\eta_0`,
-    :math:`B` are free global parameters (a prior-like factor of precision :math:`\Lambda_0` whose mean moves with
-    the ancestors by :math:`B u_{\mathrm{anc}}`, so :math:`B` is a dimensionless regression coefficient;
+    :math:`L_{ij}` of shape ``d × rank``, and :math:`\Lambda_0` (Cholesky-parameterised), :math:`m_0`,
+    :math:`B` are free global parameters (a prior-like factor of precision :math:`\Lambda_0` and mean
+    :math:`m_0 + B u_{\mathrm{anc}}`, so :math:`B` is a dimensionless regression coefficient; :math:`\Lambda_0` starts
+    at :math:`I/\mathrm{init\_scale}^2`;
     ``"block"`` drops :math:`B`; ``"diagonal"`` uses diagonal :math:`\Lambda` with :math:`l_{ij}^2` and
     :math:`l_{ij} t_{ij}` elementwise). :math:`f` is a linear map plus a small leaky-ReLU MLP of the standardised
     features (``observation_net`` hidden sizes). For a linear-Gaussian likelihood the exact conditional is in the
@@ -249,6 +250,11 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         self._decoded: dict[str, tuple] | None = None
         self._plates: dict | None = None
 
+    _pickled_callables = (*AutoBranchGuide._pickled_callables, "local_features", "_local_data_arg", "_local_data")
+    _needs_model_because = (
+        "AutoAmortizedBranchGuide runs the model on each call to read the observations its networks encode"
+    )
+
     # ---- setup --------------------------------------------------------------------------------------------------
     def _setup_prototype(self, *args, **kwargs) -> None:
         self._setup_call = (args, kwargs)  # completed with the model's run in _setup_guide
@@ -272,7 +278,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             args, kwargs = self._setup_call
             self._setup_call = (args, kwargs, *self._run_model(args, kwargs))
         self.nets = nn.ModuleDict()
-        self.natural = PyroModule()  # free natural parameters (Λ₀, η₀, B) of the local levels, form="natural"
+        self.natural = PyroModule()  # free parameters (Λ₀, m₀, B) of the local levels, form="natural"
         self._data_cache: dict = {}  # the last data of nested sources, for calls that omit the observations
         super()._setup_guide(structure)  # free parameters for the other levels, networks via _setup_level
         to_pyro_module_(self.nets)
@@ -378,7 +384,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         self.nets[_key(level.name)] = nn.ModuleDict({"features": feats, "params": params})
 
     def _setup_natural_level(self, level: PlateLevel, init: torch.Tensor) -> None:
-        """Observation networks (one per data source) and the free ``Λ₀`` (Cholesky), ``η₀`` and ``C``."""
+        """Observation networks (one per data source) and the free ``Λ₀`` (Cholesky), ``m₀`` and ``B``."""
         args, kwargs, calls, observations = self._setup_call
         d, key = level.numel, _key(level.name)
         feats = nn.ModuleDict()
@@ -387,14 +393,16 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             net = self._make_observation_net(level, rows.shape[-1], len(self._sources[level.name]), init)
             feats[str(k)] = nn.Sequential(Standardize.from_data(rows, weights).to(init.device), net)
         self.nets[key] = nn.ModuleDict({"observations": feats})
-        # q starts from the prior-like Λ₀ = I, η₀ = mean initial location, B = 0, plus the data's terms
+        # q starts from the prior-like factor N(m₀, Λ₀⁻¹) with Λ₀ = I / init_scale² (the sd is init_scale before the
+        # data's terms, at most init_scale with them), m₀ = the mean initial location, B = 0. η₀ = Λ₀ m₀ is stored
+        # as m₀, whose Adam steps move the mean by the learning rate whatever Λ₀ is.
         loc0 = init.reshape(-1, d).mean(0)
-        setattr(self.natural, f"{key}_shift", PyroParam(loc0.clone(), constraints.real, event_dim=1))
+        root = positive_inv(torch.full_like(loc0, 1.0 / self._init_scale))  # log of Λ₀^{1/2}'s diagonal
+        setattr(self.natural, f"{key}_prior_loc", PyroParam(loc0.clone(), constraints.real, event_dim=1))
         if self._is_diagonal(level):
-            raw = prox_positive_inv(torch.ones_like(loc0))
-            setattr(self.natural, f"{key}_precision_sd", PyroParam(raw, constraints.real, event_dim=1))
+            setattr(self.natural, f"{key}_precision_sd", PyroParam(root, constraints.real, event_dim=1))
         else:
-            raw = torch.zeros(d, d, dtype=init.dtype, device=init.device)  # scale_tril_from_raw(0) = I
+            raw = torch.diag_embed(root)  # scale_tril_from_raw(raw) = I / init_scale
             setattr(self.natural, f"{key}_precision_tril", PyroParam(raw, constraints.real, event_dim=2))
         if self._is_conditional(level):
             coupling = init.new_zeros((d, self._ancestor_numel(level)))
@@ -449,7 +457,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             d = init.shape[-1]
             bias.zero_()
             bias[:d] = init.reshape(-1, d).mean(0)
-            raw_diag = prox_positive_inv(torch.tensor(self._init_scale, dtype=init.dtype))
+            raw_diag = positive_inv(torch.tensor(self._init_scale, dtype=init.dtype))
             bias[self._raw_diagonal_positions(d, offset=d)] = raw_diag
         return net
 
@@ -470,6 +478,12 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
     def _run_model(self, args: tuple, kwargs: dict) -> tuple[dict[str, PlateCall], dict[str, Observation]]:
         if self._needs_observations():
             return capture_observations(self.model, args, kwargs)
+        if not self.has_model:  # unpickled without its model, ragged data only: every group, as AutoNormal would
+            assert self.structure is not None
+            return {
+                n: PlateCall(n, p.size, torch.arange(p.size), user_indices=False)
+                for n, p in self.structure.plates.items()
+            }, {}
         return capture_plates(self.model, args, kwargs), {}
 
     def _all_covariates(self, args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
@@ -531,6 +545,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         if self._decoded is not None:  # already inside (e.g. median -> level_moments)
             yield
             return
+        self._adopt_stored_parameters("nets")
         calls, observations = self._run_model(args, kwargs)
         self._calls = calls
         outer = self._gathers
@@ -709,16 +724,18 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
 
     def _decode_natural(self, level: PlateLevel, precision: torch.Tensor, shift: torch.Tensor) -> tuple:
         r"""``(loc, weight, scale)`` of :math:`\mathcal N(\Lambda^{-1}(\eta + C u_{anc}), \Lambda^{-1})` with
-        :math:`\Lambda = \Lambda_0 + \text{precision}`, :math:`\eta = \eta_0 + \text{shift}`, in the branch
+        :math:`\Lambda = \Lambda_0 + \text{precision}`, :math:`\eta = \Lambda_0 m_0 + \text{shift}`, in the branch
         guide's internal form (``weight`` multiplies the standardised ancestor deviation)."""
         key = _key(level.name)
-        eta = getattr(self.natural, f"{key}_shift") + shift
+        prior_loc = getattr(self.natural, f"{key}_prior_loc")
         if self._is_diagonal(level):
-            prec = prox_positive(getattr(self.natural, f"{key}_precision_sd")) ** 2 + precision
+            prior_precision = positive(getattr(self.natural, f"{key}_precision_sd")) ** 2
+            prec = prior_precision + precision
             scale = prec.rsqrt()
-            return eta / prec, None, scale
+            return (prior_precision * prior_loc + shift) / prec, None, scale
         root = scale_tril_from_raw(getattr(self.natural, f"{key}_precision_tril"))
         prior_precision = root @ root.mT
+        eta = (prior_precision @ prior_loc.unsqueeze(-1)).squeeze(-1) + shift
         scale = _precision_to_scale_tril(prior_precision + precision)
         weight = None
         if self._is_conditional(level):
@@ -734,7 +751,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         loc = out[..., :d]
         raw = out[..., d : d + self._raw_scale_size(level)]
         if self._is_diagonal(level):
-            scale = prox_positive(raw)
+            scale = positive(raw)
         else:
             rows, cols = torch.tril_indices(d, d, device=out.device)
             full = out.new_zeros((*out.shape[:-1], d, d))

@@ -4,7 +4,11 @@ does (an auxiliary unconstrained site, then a ``Delta`` with the log-Jacobian)."
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import copy
+import pickle
+import sys
+import types
+from collections.abc import Callable, Iterable, Mapping
 
 import pyro
 import pyro.distributions as dist
@@ -13,6 +17,7 @@ from pyro import poutine
 from pyro.distributions.util import sum_rightmost
 from pyro.infer.autoguide import AutoGuide
 from pyro.infer.autoguide.initialization import InitMessenger, init_to_feasible
+from pyro.nn import PyroModule
 from pyro.ops.tensor_utils import periodic_repeat
 from torch.distributions import biject_to
 
@@ -20,7 +25,7 @@ from pyro_hier.errors import StructureError
 from pyro_hier.plates import PlateCall, capture_plates, check_plate_sizes, open_plates
 from pyro_hier.structure import LatentSite, ModelStructure, PlateLevel, inspect_model
 
-__all__ = ["HierarchicalGuide", "empirical_quantiles"]
+__all__ = ["HierarchicalGuide", "empirical_quantiles", "parameter_keys"]
 
 
 class HierarchicalGuide(AutoGuide):
@@ -31,7 +36,9 @@ class HierarchicalGuide(AutoGuide):
     Plates: unless the user passes ``create_plates``, every call first runs the model just far enough to see its plates
     (:func:`pyro_hier.plates.capture_plates`, hidden from all handlers) and opens the guide's plates with *the model's*
     indices, so ``pyro.plate(name, N, subsample=idx)`` in the model is honoured (unlike pyro-ppl/pyro#3468), and a
-    model that subsamples at random adopts the indices the guide drew, as in Pyro.
+    model that subsamples at random adopts the indices the guide drew, as in Pyro. In an ``AutoGuideList`` the
+    list's plates are used, as Pyro's autoguides do; a guide unpickled without its model (see :meth:`__getstate__`)
+    opens its plates at their full sizes.
 
     :param model: a Pyro model.
     :param init_loc_fn: initialisation strategy for the locations (see :mod:`pyro.infer.autoguide.initialization`).
@@ -47,38 +54,150 @@ class HierarchicalGuide(AutoGuide):
         create_plates: Callable | None = None,
     ) -> None:
         self.init_loc_fn = init_loc_fn
-        model = InitMessenger(_ContinuousInit(init_loc_fn))(model)
-        super().__init__(model, create_plates=create_plates)
+        super().__init__(InitMessenger(_ContinuousInit(init_loc_fn))(model), create_plates=create_plates)
+        self._user_model: tuple[Callable] | _MainReference | None = (model,)
+        self._verify_model = False
         self.structure: ModelStructure | None = None
 
     # ---- the model, pickling -------------------------------------------------------------------------------------
+    #: attributes holding user callables that travel in a pickle as :func:`_portable` makes them
+    _pickled_callables: tuple[str, ...] = ("init_loc_fn", "create_plates")
+
     @property
     def model(self) -> Callable:
+        """The model, wrapped in the guide's init strategy (as Pyro's autoguides hold it)."""
         if self._model is None:
-            raise RuntimeError(
-                f"this {type(self).__name__} was unpickled without its model (Pyro's autoguides never pickle the "
-                "model); call guide.attach_model(model) before using it with data"
-            )
+            self._model = (InitMessenger(_ContinuousInit(self.init_loc_fn))(self.user_model),)
+            if self.structure is not None:
+                self.structure.model = self._model[0]
         return self._model[0]
 
+    @property
+    def has_model(self) -> bool:
+        """Whether the guide can run its model: always, unless it was unpickled in a process where its model could
+        not be found (see :meth:`__getstate__`)."""
+        try:
+            self.user_model  # noqa: B018
+        except RuntimeError:
+            return False
+        return True
+
+    @property
+    def user_model(self) -> Callable:
+        """The model as the user gave it."""
+        ref = self._user_model
+        if isinstance(ref, _MainReference):
+            found = ref.resolve()
+            if found is not None:
+                self._user_model = ref = (found,)
+                self._verify_model = self.structure is not None  # check it on the next call with data
+        if ref is None or isinstance(ref, _MainReference):
+            where = (
+                f"the function '{ref.qualname}' of the script that saved it (__main__), which this process does not "
+                "define"
+                if isinstance(ref, _MainReference)
+                else "a model that could not be pickled by reference (a lambda, a closure, a method or an object of "
+                "the saving script)"
+            )
+            raise RuntimeError(
+                f"this {type(self).__name__} was unpickled without its model: it was {where}. "
+                f"{self._needs_model_because}. Call guide.attach_model(model) after loading, or define the model "
+                "(or import it) at the top level of the loading script under the same name, or define it in an "
+                "importable module (then it travels with the guide)."
+            )
+        return ref[0]
+
+    #: why the guide needs its model on a call (the error message of :attr:`user_model`)
+    _needs_model_because = "It runs the model on each call to read the plates' subsample indices"
+
     def attach_model(self, model: Callable) -> None:
-        """Give an unpickled guide its model back (wrapped in the guide's init strategy, as at construction)."""
-        self._model = (InitMessenger(_ContinuousInit(self.init_loc_fn))(model),)
+        """Give an unpickled guide its model back (only needed when it could not travel with the guide: see
+        :meth:`__getstate__`)."""
+        self._user_model = (model,)
+        self._model = None
+        self._verify_model = False
 
     def __getstate__(self) -> dict:
-        # Pyro's AutoGuide.__getstate__ drops the model (and master) from the *live* guide too; our guides still
-        # need the model after being pickled (they read its plates every call), so put them back here.
+        """Pickle the guide, and its model only where loading cannot fail because of it.
+
+        Pyro's autoguides never pickle the model. These guides read the model's plates (and the amortized and
+        plate-amortized ones its observations and prior conditionals) on every call, so the model travels with the
+        guide when it pickles without any reference to ``__main__`` (a function or ``PyroModule`` of an importable
+        module). A function defined at the top level of the saving script travels as a reference that the loaded
+        guide resolves, on first use, to the loading script's function of that name (checked against the guide's
+        latent sites on the next call). Anything else (a lambda, a closure) is left out. Without a model the guide
+        opens its plates at the full sizes it recorded, as ``AutoNormal`` opens its own; guides that must run the
+        model (nested observations, PAVI's prior conditionals) say so on use and ask for :meth:`attach_model`."""
         model, master = self._model, self.master
-        state = super().__getstate__()
-        self._model, self.master = model, master
+        state = dict(super().__getstate__())
+        self._model, self.master = model, master  # Pyro's AutoGuide.__getstate__ drops them from the live guide too
+        state["_model"] = None
+        state["_verify_model"] = False
+        user = self._user_model
+        if isinstance(user, tuple):
+            portable = _portable(user[0])
+            state["_user_model"] = (
+                portable if isinstance(portable, _MainReference) else ((portable,) if portable is not None else None)
+            )
+        for name in self._pickled_callables:
+            value = state.get(name)
+            if isinstance(value, Mapping):
+                state[name] = {k: _portable_callable(v) for k, v in value.items()}
+            else:
+                state[name] = _portable_callable(value)
+        if self.structure is not None:
+            structure = copy.copy(self.structure)
+            structure.model = None
+            state["structure"] = structure
         return state
+
+    def _check_reattached_model(self, args: tuple, kwargs: dict) -> None:
+        """A model found by name after unpickling must be the one the guide was built for: same latent sites in the
+        same plates, same shapes."""
+        self._verify_model = False
+        assert self.structure is not None
+        other = inspect_model(self.model, args, kwargs, num_calls=1)
+        mine = {n: (s.plates, tuple(s.shape)) for n, s in self.structure.latent.items()}
+        theirs = {n: (s.plates, tuple(s.shape)) for n, s in other.latent.items()}
+        if mine != theirs:
+            self._user_model, self._model = None, None
+            raise StructureError(
+                f"this {type(self).__name__} was unpickled with a reference to the saving script's model, and the "
+                f"loading script's function of that name has other latent sites ({theirs}; the guide has {mine}). "
+                "Call guide.attach_model(model) with the model the guide was fitted to."
+            )
+
+    def _adopt_stored_parameters(self, module_name: str) -> None:
+        """Make the submodule ``module_name`` (torch layers converted with ``to_pyro_module_``) use the tensors Pyro's
+        param store holds under its parameters' names, where they differ (e.g. after
+        ``pyro.get_param_store().load(...)`` into a freshly built guide), as ``PyroParam`` attributes and
+        ``pyro.module(..., update_module_params=True)`` do; Pyro's converted layers would keep their own."""
+        if pyro.settings.get("module_local_params"):
+            return
+        store = pyro.get_param_store()
+        prefix = self._pyro_get_fullname(module_name)
+        module = self._modules[module_name]
+        for name, param in list(module.named_parameters()):
+            full = f"{prefix}.{name}"
+            if full not in store:
+                continue
+            stored = store[full].unconstrained()
+            if stored is param:
+                continue
+            owner_name, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(owner_name) if owner_name else module
+            if not isinstance(stored, torch.nn.Parameter):
+                stored = torch.nn.Parameter(stored)
+                store._params[full] = stored
+                store._param_to_name[stored] = full
+            owner._parameters[leaf] = stored
 
     # ---- prototype ----------------------------------------------------------------------------------------------
     def _setup_prototype(self, *args, **kwargs) -> None:
         self.structure = inspect_model(self.model, args, kwargs)
         self.prototype_trace = self.structure.trace
-        if self.master is not None:
-            self.master()._check_prototype(self.prototype_trace)
+        if self.master is not None:  # a part of an AutoGuideList: the list checks our latent sites against its own
+            self.master()._check_prototype(_latent_trace(self.prototype_trace, self.structure))
         self._prototype_frames = {}
         for site in self.structure.latent.values():
             for frame in self.prototype_trace.nodes[site.name]["cond_indep_stack"]:
@@ -96,8 +215,9 @@ class HierarchicalGuide(AutoGuide):
                 raise StructureError(
                     f"site '{site.name}' is discrete and not enumerated. {type(self).__name__} covers continuous "
                     "latents: mark the site with infer={'enumerate': 'parallel'} (or wrap the model in "
-                    "pyro.infer.config_enumerate) and train with TraceEnum_ELBO, or use AutoHierarchicalVM, which "
-                    "handles discrete latents without enumeration."
+                    "pyro.infer.config_enumerate) and train with TraceEnum_ELBO (Pyro's tutorial: "
+                    "https://pyro.ai/examples/enumeration.html), or use AutoHierarchicalVM, which handles discrete "
+                    "latents without enumeration."
                 )
 
     def _setup_guide(self, structure: ModelStructure) -> None:
@@ -115,9 +235,15 @@ class HierarchicalGuide(AutoGuide):
         return tuple(dict.fromkeys(p for n in self.guide_sites for p in self.structure.latent[n].plates))
 
     def _create_plates(self, *args, **kwargs) -> dict[str, pyro.plate]:
+        """The plates of this call: the user's ``create_plates``, else (in an ``AutoGuideList``) the list's plates,
+        as Pyro's autoguides do, else the model's own, opened with the model's indices."""
         assert self.structure is not None
         names = self._guide_plate_names()
         plates: dict[str, pyro.plate] = {}
+        if self.create_plates is None and self.master is not None:
+            # the list opened its plates (a plate records its subsample site when it is created, so a part must not
+            # open one of the same name again); give it create_plates to use the model's subsample indices
+            plates.update({n: p for n, p in (getattr(self.master(), "plates", None) or {}).items() if n in names})
         if self.create_plates is not None:
             user = self.create_plates(*args, **kwargs)
             user = [user] if isinstance(user, pyro.plate) else list(user)
@@ -129,6 +255,11 @@ class HierarchicalGuide(AutoGuide):
                     )
                 plates[p.name] = p
         missing = [n for n in names if n not in plates]
+        if missing and not self.has_model:  # unpickled without its model: full plates, as AutoNormal opens its own
+            for n in missing:
+                info = self.structure.plates[n]
+                plates[n] = pyro.plate(n, info.size, dim=info.dim)
+            missing = []
         if missing:
             calls = self._capture_plates(args, kwargs, missing)
             check_plate_sizes(calls, {n: self.structure.plates[n].size for n in missing}, type(self).__name__)
@@ -203,6 +334,8 @@ class HierarchicalGuide(AutoGuide):
     def _require_setup(self, *args, **kwargs) -> None:
         if self.prototype_trace is None:
             self._setup_prototype(*args, **kwargs)
+        elif self._verify_model:
+            self._check_reattached_model(args, kwargs)
 
 
 class _ContinuousInit:
@@ -218,12 +351,99 @@ class _ContinuousInit:
         return self.init_loc_fn(site)
 
 
+class _MainReference:
+    """A function of the ``__main__`` script, pickled by name and looked up in the loading process's ``__main__``
+    when needed (pickle's own reference would make loading fail in a process that does not define it). Calling it
+    calls the function found."""
+
+    def __init__(self, qualname: str) -> None:
+        self.qualname = qualname
+
+    def resolve(self) -> Callable | None:
+        obj = sys.modules.get("__main__")
+        for part in self.qualname.split("."):
+            obj = getattr(obj, part, None)
+        return obj if callable(obj) else None
+
+    def __call__(self, *args, **kwargs):
+        fn = self.resolve()
+        if fn is None:
+            raise RuntimeError(
+                f"'{self.qualname}' was a function of the script that saved this guide (__main__); this process's "
+                "__main__ does not define it. Define (or import) it at the top level of the loading script."
+            )
+        return fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"__main__.{self.qualname} (looked up when used)"
+
+
+def _portable(obj: Callable) -> Callable | _MainReference | None:
+    """What of ``obj`` can travel in a pickle to another process: ``obj`` itself when it pickles without referring
+    to ``__main__``; a :class:`_MainReference` for a function defined at the top level of ``__main__``; else
+    ``None``."""
+    try:
+        data = pickle.dumps(obj)
+    except Exception:  # lambdas, closures, local classes: pickle refuses them
+        data = None
+    if data is not None and b"__main__" not in data:
+        return obj
+    if isinstance(obj, types.FunctionType) and obj.__module__ == "__main__" and "<" not in obj.__qualname__:
+        return _MainReference(obj.__qualname__)
+    return None
+
+
+def _portable_callable(value):
+    """A user's option as it travels in a pickle: a function of ``__main__`` as a :class:`_MainReference`, anything
+    else as it is (a lambda then fails to pickle, as it does in Pyro's autoguides)."""
+    if not callable(value) or isinstance(value, _MainReference):
+        return value
+    portable = _portable(value)
+    return value if portable is None else portable
+
+
+def _latent_trace(trace: poutine.Trace, structure: ModelStructure) -> poutine.Trace:
+    """A copy of ``trace`` with the latent sites only (no plates, observations or deterministic sites), as the
+    prototype traces of Pyro's autoguides are."""
+    latent = trace.copy()
+    for name in list(latent.nodes):
+        if name not in structure.latent:
+            latent.remove_node(name)
+    return latent
+
+
 def _strip_trailing_ones(shape: Iterable[int], n: int) -> torch.Size:
     shape = list(shape)
     k = min(n, len(shape))
     if any(s != 1 for s in shape[len(shape) - k :]):
         raise RuntimeError(f"internal error: expected trailing singleton dims in {shape}")
     return torch.Size(shape[: len(shape) - k])
+
+
+def parameter_keys(names: Iterable[str]) -> dict[str, str]:
+    """A parameter or module name for each of ``names`` (site or level names, which Pyro lets contain ``"."``;
+    ``torch`` refuses it in parameter names): dots become underscores, a name that is an attribute of modules
+    (``"items"``, ``"forward"``, …) gets a trailing underscore, and a name that would then equal another's gets a
+    numeric suffix, so distinct names never share parameters.
+
+    Example::
+
+        parameter_keys(["linear.weight", "linear_weight", "z"])  # {..: "linear_weight", ..: "linear_weight_1", ..}
+    """
+    keys: dict[str, str] = {}
+    taken: set[str] = set()
+    names = list(names)
+    for name in sorted(names, key=lambda n: "." in n):  # names without dots keep their own key
+        key = base = name.replace(".", "_")
+        if hasattr(torch.nn.ModuleDict, key) or hasattr(PyroModule, key):  # "items", "keys", "forward", …
+            key = base = f"{base}_"
+        k = 0
+        while key in taken:
+            k += 1
+            key = f"{base}_{k}"
+        keys[name] = key
+        taken.add(key)
+    return {name: keys[name] for name in names}
 
 
 def empirical_quantiles(v: torch.Tensor, quantiles, *, discrete: bool = False) -> torch.Tensor:

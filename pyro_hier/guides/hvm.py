@@ -46,18 +46,18 @@ from pyro.distributions.score_parts import ScoreParts
 from pyro.distributions.torch_distribution import TorchDistribution
 from pyro.distributions.util import sum_rightmost
 from pyro.infer.autoguide.initialization import init_to_feasible
-from pyro.nn import PyroModule, PyroParam
+from pyro.nn import AutoRegressiveNN, PyroModule, PyroParam
 from pyro.ops.tensor_utils import periodic_repeat
 from torch import nn
 from torch.distributions import constraints, register_kl
 
 from pyro_hier.errors import StructureError
-from pyro_hier.guides.base import HierarchicalGuide, _strip_trailing_ones, empirical_quantiles
+from pyro_hier.guides.base import HierarchicalGuide, _strip_trailing_ones, empirical_quantiles, parameter_keys
 from pyro_hier.guides.branch import _concat_broadcast
 from pyro_hier.plates import element_selection, enter_plates
 from pyro_hier.sparse import select_elements
 from pyro_hier.structure import LatentSite, ModelStructure
-from pyro_hier.transforms import prox_positive, prox_positive_inv
+from pyro_hier.transforms import positive, positive_inv
 
 __all__ = ["AutoHierarchicalVM", "HVMSiteDistribution", "ImplicitMixtureOfDiagNormals"]
 
@@ -243,6 +243,7 @@ class _SiteSpec:
     offset: int  # start of the site's block in the element's λ
     low: int = 0  # categorical: smallest value
     count: int = 0  # categorical: number of values; binomial: total count
+    key: str = ""  # the site's name as a parameter name (see pyro_hier.guides.base.parameter_keys)
 
     @property
     def continuous(self) -> bool:
@@ -320,6 +321,7 @@ class _Level:
     plates: tuple[str, ...]
     sites: tuple[_SiteSpec, ...]
     batch_shape: torch.Size
+    key: str = ""  # the level's name as a parameter name
 
     @property
     def numel(self) -> int:
@@ -359,7 +361,8 @@ def _family(site: LatentSite) -> tuple[str, int, int]:
     raise StructureError(
         f"site '{site.name}' has discrete support {site.support} that AutoHierarchicalVM has no variational "
         "likelihood for (it handles boolean → Bernoulli, integer_interval → Categorical/Binomial, "
-        "nonnegative_integer → Poisson). Enumerate the site with infer={'enumerate': 'parallel'} and TraceEnum_ELBO."
+        "nonnegative_integer → Poisson). Enumerate the site with infer={'enumerate': 'parallel'} and TraceEnum_ELBO "
+        "(Pyro's tutorial: https://pyro.ai/examples/enumeration.html)."
     )
 
 
@@ -418,11 +421,13 @@ class AutoHierarchicalVM(HierarchicalGuide):
     :param prior: ``"mixture"`` or ``"flow"``.
     :param num_components: mixture components (``prior="mixture"``).
     :param flow_layers: spline layers of the flow (``prior="flow"``).
-    :param flow_hidden: hidden width of the autoregressive networks of the flow.
+    :param flow_hidden: hidden width of the autoregressive networks of the flow (at least the level's number of λ
+        coordinates, which a masked autoregressive network needs).
     :param init_loc_fn: initial locations of continuous sites (as in ``AutoNormal``).
-    :param init_scale: initial sd of q(z | λ) for continuous sites and of every mixture component / flow scale.
+    :param init_scale: initial sd of ``q(z)`` for continuous sites in unconstrained space (split between
+        ``q(z | λ)`` and the spread of λ, half of the variance each), and of λ for discrete sites.
     :param init_spread: continuous sites: sd of the random offsets of the mixture components' means at the start,
-        in units of ``init_scale`` (discrete sites start each component at the link of one prior draw).
+        in units of ``init_scale / 2`` (discrete sites start each component at the link of one prior draw).
     :param num_summary_samples: draws behind ``median`` and ``quantiles``.
     :param baseline_beta: if given (e.g. ``0.9``), ``TraceGraph_ELBO`` subtracts a running-average baseline with this
         decay from each discrete site's learning signal (unbiased; lowers the score-function variance). Other ELBOs
@@ -508,6 +513,9 @@ class AutoHierarchicalVM(HierarchicalGuide):
         for name in self.guide_sites:
             groups.setdefault(frozenset(structure.latent[name].plates), []).append(name)
         order = {n: i for i, n in enumerate(structure.latent)}
+        site_keys = parameter_keys(self.guide_sites)
+        level_names = {k: "__".join(sorted(k, key=list(structure.plates).index)) or "globals" for k in groups}
+        level_keys = parameter_keys(list(level_names.values()))
         keys = sorted(groups, key=lambda k: (len(k), min(order[n] for n in groups[k])))
         levels = []
         for key in keys:
@@ -525,11 +533,13 @@ class AutoHierarchicalVM(HierarchicalGuide):
                     elem, batch_dims = shape[len(shape) - event_dim :], 0
                 else:
                     elem, batch_dims = shape, len(shape) - event_dim
-                spec = _SiteSpec(name, family, torch.Size(elem), event_dim, batch_dims, offset, low, count)
+                spec = _SiteSpec(
+                    name, family, torch.Size(elem), event_dim, batch_dims, offset, low, count, site_keys[name]
+                )
                 specs.append(spec)
                 offset += spec.size
             name = "__".join(plates) or "globals"
-            levels.append(_Level(name, plates, tuple(specs), torch.Size(batch)))
+            levels.append(_Level(name, plates, tuple(specs), torch.Size(batch), level_keys[name]))
         return tuple(levels)
 
     # ---- parameters ---------------------------------------------------------------------------------------------
@@ -541,22 +551,35 @@ class AutoHierarchicalVM(HierarchicalGuide):
         for level in self.levels:
             self._setup_level(level)
 
-    def _init_site(self, level: _Level, spec: _SiteSpec) -> tuple[torch.Tensor, torch.Tensor]:
-        """Initial λ of a site: its centre ``level.batch_shape + (size,)`` and one start per mixture component
-        ``level.batch_shape + (K, size)``. Continuous sites: the init location with Gaussian offsets of sd
-        ``init_scale · init_spread``; discrete sites: the prior's mean, and for the components the link of one
-        (smoothed) prior draw each, so the components start spread over the prior's support."""
+    def _init_site(self, level: _Level, spec: _SiteSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Initial λ of a site: its centre ``level.batch_shape + (size,)``, one start per mixture component
+        ``level.batch_shape + (K, size)`` and the initial sd of λ around them (the mixture components' or the flow's
+        scale), ``level.batch_shape + (size,)``.
+
+        Continuous sites, with ``s = init_scale``: ``q(z | λ)`` has sd ``s/√2`` and the location ``λ₁`` spreads
+        with variance ``s²/2`` — components of sd ``s/2`` offset by ``±(s/2)·init_spread·ε`` in antithetic pairs (a
+        zero offset for odd K; random ``ε`` scaled to mean square 1 over the components), or the flow's scale
+        ``s/√2`` — so ``q(z)`` starts with sd ``s`` (with ``init_spread = 1``) and, being symmetric about the init
+        location, with its median there, as ``AutoNormal``'s does. Discrete sites: the prior's mean, and for the
+        components the link of one (smoothed) prior draw each, so the components start spread over the prior's
+        support; λ's sd is ``s``."""
         assert self.structure is not None
         site = self.structure.latent[spec.name]
         k = self.num_components
         lead = level.batch_shape
+        s = self._init_scale
         if spec.continuous:
             u = self._init_unconstrained(site)
-            lam = torch.stack([u, torch.full_like(u, math.log(self._init_scale))], -1).reshape((*lead, -1))
-            spread = torch.stack([torch.full_like(u, self._init_scale), torch.zeros_like(u)], -1)
-            spread = (spread * self._init_spread).reshape((*lead, 1, -1))
-            noise = torch.randn((*lead, k, lam.shape[-1]), dtype=lam.dtype, device=lam.device)
-            return lam, lam.unsqueeze(-2) + spread * noise
+            lam = torch.stack([u, torch.full_like(u, math.log(s / math.sqrt(2)))], -1).reshape((*lead, -1))
+            loc_sd = s / 2 if self.prior == "mixture" else s / math.sqrt(2)
+            sd = torch.stack([torch.full_like(u, loc_sd), torch.full_like(u, s / 2)], -1).reshape((*lead, -1))
+            offset = torch.stack([torch.full_like(u, s / 2 * self._init_spread), torch.zeros_like(u)], -1)
+            offset = offset.reshape((*lead, 1, -1))
+            half = torch.randn((*lead, k // 2, lam.shape[-1]), dtype=lam.dtype, device=lam.device)
+            noise = torch.cat([half, -half, half[..., : k % 2, :] * 0], dim=-2)
+            if k > 1:  # mean square exactly 1 over the components: the spread is init_scale, not only on average
+                noise = noise / noise.pow(2).mean(-2, keepdim=True).sqrt()
+            return lam, lam.unsqueeze(-2) + offset * noise, sd
         fn = self.prototype_trace.nodes[spec.name]["fn"]
         with torch.no_grad():
             draws = fn.sample((256,))
@@ -575,7 +598,8 @@ class AutoHierarchicalVM(HierarchicalGuide):
         else:
             mean = self._link(spec, draws.mean(0))
         starts = self._link(spec, draws[:k]).reshape((k, *lead, -1)).movedim(0, -2)
-        return mean.reshape((*lead, -1)), starts
+        mean = mean.reshape((*lead, -1))
+        return mean, starts, torch.full_like(mean, s)
 
     @staticmethod
     def _link(spec: _SiteSpec, value: torch.Tensor) -> torch.Tensor:
@@ -594,22 +618,21 @@ class AutoHierarchicalVM(HierarchicalGuide):
         return probs.log()
 
     def _setup_level(self, level: _Level) -> None:
-        inits, starts = zip(*(self._init_site(level, s) for s in level.sites))
-        init = torch.cat(inits, -1)
+        inits, starts, sds = zip(*(self._init_site(level, s) for s in level.sites))
+        init, sd = torch.cat(inits, -1), torch.cat(sds, -1)
         d = level.numel
-        name = level.name
+        name = level.key
         if self.prior == "mixture":
             k = self.num_components
             locs = torch.cat(starts, -1)
-            scales = torch.full_like(locs, self._init_scale)
+            scales = sd.unsqueeze(-2).expand(locs.shape).clone()
             setattr(self.prior_params, f"{name}_locs", PyroParam(locs, constraints.real, event_dim=2))
-            setattr(self.prior_params, f"{name}_scales", PyroParam(prox_positive_inv(scales), event_dim=2))
+            setattr(self.prior_params, f"{name}_scales", PyroParam(positive_inv(scales), event_dim=2))
             logits = init.new_zeros((*init.shape[:-1], k))
             setattr(self.prior_params, f"{name}_logits", PyroParam(logits, constraints.real, event_dim=1))
         else:
             setattr(self.prior_params, f"{name}_loc", PyroParam(init, constraints.real, event_dim=1))
-            scale = torch.full_like(init, self._init_scale)
-            setattr(self.prior_params, f"{name}_scale", PyroParam(prox_positive_inv(scale), event_dim=1))
+            setattr(self.prior_params, f"{name}_scale", PyroParam(positive_inv(sd), event_dim=1))
             self.flows[name] = self._make_flow(d).to(dtype=init.dtype, device=init.device)
         # auxiliary r(λ | z): the inverse flow's unit-lower-triangular L, then per-coordinate Normal(a·f, exp(b·f))
         if d > 1 and self.prior == "flow":
@@ -628,8 +651,8 @@ class AutoHierarchicalVM(HierarchicalGuide):
                     a[..., 0] = lam
                 b[..., 0] = math.log(max(self._init_scale, 0.5))
             event_dim = len(spec.elem_shape) + 2 if level.plates else len(shape)
-            setattr(self.aux_params, f"{spec.name}_mean", PyroParam(a, constraints.real, event_dim=event_dim))
-            setattr(self.aux_params, f"{spec.name}_logscale", PyroParam(b, constraints.real, event_dim=event_dim))
+            setattr(self.aux_params, f"{spec.key}_mean", PyroParam(a, constraints.real, event_dim=event_dim))
+            setattr(self.aux_params, f"{spec.key}_logscale", PyroParam(b, constraints.real, event_dim=event_dim))
 
     def _make_flow(self, d: int) -> nn.Module:
         layers: list[nn.Module] = []
@@ -637,7 +660,14 @@ class AutoHierarchicalVM(HierarchicalGuide):
             if d == 1:
                 layers.append(T.Spline(1, count_bins=8, bound=4.0))
             else:
-                layers.append(T.spline_autoregressive(d, hidden_dims=[self.flow_hidden], count_bins=8, bound=4.0))
+                # a fixed variable order (T.spline_autoregressive draws one at random into a buffer, which Pyro's
+                # param store does not save); the layers are interleaved with reversals
+                bins = 8
+                arn = AutoRegressiveNN(  # a masked network needs at least as many hidden units as inputs
+                    d, [max(self.flow_hidden, d)], param_dims=[bins, bins, bins - 1, bins], permutation=torch.arange(d)
+                )
+                layers.append(T.SplineAutoregressive(d, arn, count_bins=bins, bound=4.0))
+            _start_as_identity(layers[-1])
         return nn.ModuleList(layers)
 
     # ---- the free parameters of a level ------------------------------------------------------------------------
@@ -646,11 +676,11 @@ class AutoHierarchicalVM(HierarchicalGuide):
         elements of the guide's ``plates`` on this call (:func:`~pyro_hier.sparse.select_elements`: sparse gradients
         for :class:`~pyro_hier.optim.LazyAdam`); full size for ``None``. Read outside the plates, which would slice
         them too."""
-        name = level.name
+        name = level.key
         keys = [(self.prior_params, f"{name}_{k}") for k in self._prior_keys()]
         if level.numel > 1 and self.prior == "flow":
             keys.append((self.aux_params, f"{name}_mix"))
-        keys += [(self.aux_params, f"{spec.name}_{w}") for spec in level.sites for w in ("mean", "logscale")]
+        keys += [(self.aux_params, f"{spec.key}_{w}") for spec in level.sites for w in ("mean", "logscale")]
         selection = None
         if plates is not None and level.plates:
             assert self.structure is not None
@@ -670,14 +700,14 @@ class AutoHierarchicalVM(HierarchicalGuide):
     # ---- the distributions --------------------------------------------------------------------------------------
     def _prior(self, level: _Level, params: dict[str, torch.Tensor] | None = None) -> TorchDistribution:
         """``q(λ; θ)`` of the level's elements (``params``: :meth:`_element_params`, full size by default)."""
-        name = level.name
+        name = level.key
         params = self._element_params(level) if params is None else params
         if self.prior == "mixture":
             locs = params[f"{name}_locs"]
-            scales = prox_positive(params[f"{name}_scales"])
+            scales = positive(params[f"{name}_scales"])
             return ImplicitMixtureOfDiagNormals(locs, scales, params[f"{name}_logits"])
         loc = params[f"{name}_loc"]
-        scale = prox_positive(params[f"{name}_scale"])
+        scale = positive(params[f"{name}_scale"])
         base = dist.Normal(torch.zeros_like(loc), torch.ones_like(loc)).to_event(1)
         transforms: list = []
         for i, layer in enumerate(self.flows[name]):
@@ -693,7 +723,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
         if level.numel == 1 or self.prior != "flow":
             return lam
         params = self._element_params(level) if params is None else params
-        mix = params[f"{level.name}_mix"].tril(-1)
+        mix = params[f"{level.key}_mix"].tril(-1)
         return lam + (mix @ lam.unsqueeze(-1)).squeeze(-1)
 
     def _block(self, level: _Level, spec: _SiteSpec, x: torch.Tensor) -> torch.Tensor:
@@ -731,8 +761,8 @@ class AutoHierarchicalVM(HierarchicalGuide):
 
             return HVMSiteDistribution(spec.likelihood(params), log_r)
         target = self._block(level, spec, lam0)
-        mean_w = element_params[f"{spec.name}_mean"]
-        scale_w = element_params[f"{spec.name}_logscale"]
+        mean_w = element_params[f"{spec.key}_mean"]
+        scale_w = element_params[f"{spec.key}_logscale"]
         event_dim = spec.event_dim
 
         def log_r(z: torch.Tensor) -> torch.Tensor:
@@ -745,15 +775,15 @@ class AutoHierarchicalVM(HierarchicalGuide):
         return HVMSiteDistribution(spec.likelihood(params), log_r)
 
     def _mixture_r_params(self, level: _Level, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        name = level.name
+        name = level.key
         out = {
             "locs": params[f"{name}_locs"],
-            "scales": prox_positive(params[f"{name}_scales"]),
+            "scales": positive(params[f"{name}_scales"]),
             "log_pi": torch.log_softmax(params[f"{name}_logits"], -1),
         }
         for spec in level.sites:
             for weight in ("mean", "logscale"):
-                out[f"{spec.name}_{weight}"] = params[f"{spec.name}_{weight}"]
+                out[f"{spec.name}_{weight}"] = params[f"{spec.key}_{weight}"]
         return out
 
     def _log_r_mixture(
@@ -808,6 +838,8 @@ class AutoHierarchicalVM(HierarchicalGuide):
     def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         """Sample every latent site that is not enumerated; returns ``{site: value}`` (constrained)."""
         self._require_setup(*args, **kwargs)
+        if self.prior == "flow":  # adopt the param store's values (e.g. after pyro.get_param_store().load(...))
+            pyro.module(self._pyro_get_fullname("flows"), self._modules["flows"], update_module_params=True)
         plates = self._create_plates(*args, **kwargs)
         result: dict[str, torch.Tensor] = {}
         for level in self.levels:
@@ -916,9 +948,9 @@ class AutoHierarchicalVM(HierarchicalGuide):
                     f"site '{spec.name}' ({spec.family}) has {spec.num_params} parameters per coordinate; "
                     "log_marginal integrates one-parameter families (Bernoulli, Poisson, Binomial) only"
                 )
-        locs = getattr(self.prior_params, f"{level.name}_locs")  # (K, D)
-        scales = prox_positive(getattr(self.prior_params, f"{level.name}_scales"))
-        log_pi = torch.log_softmax(getattr(self.prior_params, f"{level.name}_logits"), -1)
+        locs = getattr(self.prior_params, f"{level.key}_locs")  # (K, D)
+        scales = positive(getattr(self.prior_params, f"{level.key}_scales"))
+        log_pi = torch.log_softmax(getattr(self.prior_params, f"{level.key}_logits"), -1)
         x, w = _gauss_hermite(num_nodes, locs.dtype, locs.device)
         lam = locs.unsqueeze(-1) + math.sqrt(2.0) * scales.unsqueeze(-1) * x  # (K, D, nodes)
         total = None
@@ -935,6 +967,36 @@ class AutoHierarchicalVM(HierarchicalGuide):
             term = per_coord.sum(-1)  # (K, n)
             total = term if total is None else total + term
         return torch.logsumexp(log_pi.unsqueeze(-1) + total, 0)
+
+
+def _start_as_identity(layer: nn.Module) -> None:
+    """Set a Pyro rational-spline layer (``Spline``, or ``SplineAutoregressive`` with its network's readout zeroed) to
+    the identity map: equal bin widths and heights and unit knot derivatives. The flow prior then starts as
+    ``N(loc, scale²)``, with its median at the init location. Pyro initialises splines at random."""
+    with torch.no_grad():
+        if isinstance(layer, T.Spline):
+            widths, heights, derivatives = (
+                layer.unnormalized_widths,
+                layer.unnormalized_heights,
+                layer.unnormalized_derivatives,
+            )
+            widths.zero_()
+            heights.zero_()
+            derivatives.fill_(_IDENTITY_DERIVATIVE)
+            return
+        if isinstance(layer, T.SplineAutoregressive):
+            readout = layer.arn.layers[-1]
+            readout.weight.zero_()
+            k = layer.spline.count_bins
+            bias = readout.bias.view(-1, layer.arn.input_dim)  # rows: widths (k), heights (k), derivatives (k-1), …
+            bias.zero_()
+            bias[2 * k : 3 * k - 1] = _IDENTITY_DERIVATIVE
+            return
+    raise TypeError(f"no identity initialisation for {type(layer).__name__}")
+
+
+#: ``softplus(x) + 1e-3 = 1``: the unnormalised knot derivative of an identity spline (Pyro's ``min_derivative``)
+_IDENTITY_DERIVATIVE = math.log(math.expm1(1.0 - 1e-3))
 
 
 def _gauss_hermite(n: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import math
+import warnings
 from collections.abc import Callable, Sequence
 
 import pyro
@@ -10,7 +12,8 @@ import pyro.distributions as dist
 import torch
 from pyro import poutine
 from pyro.distributions.conditional import ConditionalTransformModule
-from pyro.infer.autoguide.initialization import InitMessenger, init_to_feasible
+from pyro.infer.autoguide.initialization import init_to_feasible
+from pyro.poutine.messenger import Messenger
 from pyro.poutine.subsample_messenger import _Subsample
 from torch import nn
 from torch.distributions import biject_to, constraints
@@ -19,10 +22,10 @@ from torch.distributions.transforms import ReshapeTransform, Transform
 from pyro_hier.distributions import StickingTheLanding
 from pyro_hier.encoders import DeepSetEncoder, FreeEncoding, FrozenPositions, SiteData
 from pyro_hier.errors import StructureError
-from pyro_hier.flows import make_flow
+from pyro_hier.flows import FreeAffine, make_flow
 from pyro_hier.gather_maps import GatherMaps
 from pyro_hier.gathers import keep_random_state
-from pyro_hier.guides.base import HierarchicalGuide, _ContinuousInit, empirical_quantiles
+from pyro_hier.guides.base import HierarchicalGuide, empirical_quantiles, parameter_keys
 from pyro_hier.local_data import (
     ObservedRows,
     call_local_features,
@@ -31,7 +34,7 @@ from pyro_hier.local_data import (
     observation_features,
 )
 from pyro_hier.plates import PlateRecorder, capture_plates
-from pyro_hier.structure import ModelStructure
+from pyro_hier.structure import LatentSite, ModelStructure
 
 __all__ = ["AutoPlateAmortizedFlow"]
 
@@ -150,7 +153,11 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
     :param stick_the_landing: score the guide's samples with detached flow parameters and encodings
         (:class:`~pyro_hier.distributions.StickingTheLanding`): an unbiased gradient whose variance vanishes where
         q equals the posterior (see :class:`~pyro_hier.AutoBranchGuide`).
-    :param init_loc_fn: values of the prototype trace (used only to inspect the model).
+    :param init_loc_fn: an initialisation strategy (as in ``AutoNormal``: ``init_to_median``, ``init_to_value(...)``,
+        …): q starts with its median there. ``None`` (default): q starts at the prior conditional pushed forward by
+        the identity, PAVI's own start.
+    :param init_scale: q's initial spread in unconstrained space (sd of a Gaussian prior; for others, the
+        interquartile range / 1.349). ``None`` (default): the prior's spread.
     :param num_summary_samples: draws behind ``median`` and ``quantiles``.
 
     Reference: L. Rouillard, A. Le Bris, T. Moreau, D. Wassermann, *PAVI: Plate-Amortized Variational Inference*,
@@ -169,7 +176,8 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         condition_on_ancestors: bool = False,
         local_features: Callable | None = None,
         stick_the_landing: bool = False,
-        init_loc_fn: Callable = init_to_feasible,
+        init_loc_fn: Callable | None = None,
+        init_scale: float | None = None,
         num_summary_samples: int = 1000,
     ) -> None:
         if encoder not in _ENCODERS:
@@ -191,6 +199,14 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             raise ValueError(f"stick_the_landing must be True or False, got {stick_the_landing!r}")
         if not isinstance(condition_on_ancestors, bool):
             raise ValueError(f"condition_on_ancestors must be True or False, got {condition_on_ancestors!r}")
+        if init_loc_fn is not None and not callable(init_loc_fn):
+            raise ValueError(f"init_loc_fn must be None or an initialisation strategy, got {init_loc_fn!r}")
+        if init_scale is not None and not (
+            isinstance(init_scale, int | float) and init_scale > 0 and math.isfinite(init_scale)
+        ):
+            raise ValueError(f"init_scale must be None or a positive number, got {init_scale!r}")
+        self._start_at_init_loc = init_loc_fn is not None
+        self._init_scale = None if init_scale is None else float(init_scale)
         self.encoder_kind = encoder
         self.encoding_size = encoding_size
         self.flow_spec = flow
@@ -201,45 +217,42 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         self.stick_the_landing = stick_the_landing
         self._detached_flows: tuple[nn.Module] | None = None
         self.num_summary_samples = num_summary_samples
-        super().__init__(model, init_loc_fn=init_loc_fn)
-        self._raw_model = (model,)  # the cascade runs the model itself, without the init strategy
+        super().__init__(model, init_loc_fn=init_to_feasible if init_loc_fn is None else init_loc_fn)
 
-    def attach_model(self, model: Callable) -> None:
-        self._model = (InitMessenger(_ContinuousInit(self.init_loc_fn))(model),)
-        self._raw_model = (model,)
+    _pickled_callables = (*HierarchicalGuide._pickled_callables, "local_features")
+    _needs_model_because = (
+        "AutoPlateAmortizedFlow runs the model on every call: its flows push forward the model's own prior "
+        "conditionals, which only the model can compute"
+    )
 
     def __getstate__(self) -> dict:
-        state = dict(super().__getstate__())
-        state["_raw_model"] = None  # as Pyro does for the model: pickle the guide, not the model
+        state = super().__getstate__()
         state["_detached_flows"] = None  # rebuilt on use
         return state
-
-    @property
-    def _cascade_model(self) -> Callable:
-        if self._raw_model is None:
-            self.model  # noqa: B018 (raises the error that asks for attach_model)
-        return self._raw_model[0]
 
     # ---- setup ----------------------------------------------------------------------------------------------
     def _check_sites(self, structure: ModelStructure) -> None:
         if not structure.latent:
             raise StructureError("the model has no latent sites: AutoPlateAmortizedFlow has nothing to approximate")
         for site in structure.latent.values():
+            if site.discrete and site.enumerated:
+                raise StructureError(
+                    f"site '{site.name}' is enumerated. AutoPlateAmortizedFlow runs the model inside the guide, so "
+                    "it cannot leave the site to TraceEnum_ELBO: as with AutoNormal, give it the model with the site "
+                    f"hidden, poutine.block(model, hide=['{site.name}']), in an AutoGuideList beside a guide for the "
+                    "site (AutoDiscreteParallel), or use AutoBranchGuide, which leaves enumerated sites alone."
+                )
             if site.discrete:
                 raise StructureError(
-                    f"site '{site.name}' is discrete. AutoPlateAmortizedFlow pushes forward the prior of continuous "
-                    "sites through flows; use AutoHierarchicalVM, which handles discrete latents, or enumerate the "
-                    "site (infer={'enumerate': 'parallel'} with TraceEnum_ELBO) and use AutoBranchGuide."
-                )
-            if not site.reparameterized:
-                raise StructureError(
-                    f"site '{site.name}' has a prior without rsample ({type(site.fn).__name__}); the flow pushes "
-                    "forward reparameterised samples of the prior conditional. Reparameterise the site (e.g. sample "
-                    "a standard variable and transform it in the model) or use AutoBranchGuide."
+                    f"site '{site.name}' is discrete and not enumerated. AutoPlateAmortizedFlow pushes forward the "
+                    "prior of continuous sites through flows; use AutoHierarchicalVM, which handles discrete latents, "
+                    "or enumerate the site (infer={'enumerate': 'parallel'} with TraceEnum_ELBO; Pyro's tutorial: "
+                    "https://pyro.ai/examples/enumeration.html) and use AutoBranchGuide."
                 )
 
     def _setup_guide(self, structure: ModelStructure) -> None:
         sites = list(structure.latent)
+        self._keys = parameter_keys(sites)  # site names as module names (Pyro allows "." in site names)
         self.levels = structure.plate_levels(sites)
         self._level_of = {name: level for level in self.levels for name in level.sites}
         levels = {level.name: level for level in self.levels}
@@ -271,7 +284,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                 self._context_levels[name] = ()
             context_dim = self.encoding_size * (1 + len(self._context_levels[name]))
             context_dim += sum(structure.latent[a].element_numel for a in ancestors)
-            self.flows[_key(name)] = make_flow(self.flow_spec, site.element_numel, context_dim, self.flow_hidden)
+            self.flows[self._keys[name]] = make_flow(self.flow_spec, site.element_numel, context_dim, self.flow_hidden)
         if self.encoder_kind == "free":
             self.encoder = FreeEncoding(self.levels, self.encoding_size, like)
         else:
@@ -282,6 +295,9 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                 for name, obs in observations.items()
             }
             self.encoder = DeepSetEncoder(structure, self.levels, features, self.encoding_size, self.encoder_hidden)
+        self.site_affines = nn.ModuleDict(
+            {self._keys[name]: FreeAffine(*self._initial_affine(structure.latent[name], like.dtype)) for name in sites}
+        )
         # gathered ancestors in the contexts, gathered observations in the deep set: which elements are read is
         # found per call
         needed = set()
@@ -302,20 +318,60 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         self._last_data: dict[tuple[str, str], SiteData] = {}  # for calls that omit the observations
         self.flows.to(dtype=like.dtype, device=like.device)
         self.encoder.to(dtype=like.dtype, device=like.device)
+        self.site_affines.to(dtype=like.dtype, device=like.device)
+
+    def _initial_affine(self, site: LatentSite, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        r"""``(b, e^β)`` of the site's :class:`~pyro_hier.flows.FreeAffine`, which follows its flow (the named flows
+        start as the identity), so that q starts with median ``init_loc`` and spread ``init_scale`` in unconstrained
+        space, or the prior's where they are not given.
+
+        The base's and the prior's medians :math:`\hat m_i` and spreads :math:`\hat s` (interquartile range / 1.349,
+        pooled over plate elements) come from draws of the prototype's prior conditional (a standard normal base for
+        sites without ``rsample``); then :math:`e^\beta = \sigma / \hat s_{\mathrm{base}}` and
+        :math:`b = \mathrm{mean}_i(t_i - e^\beta \hat m_{\mathrm{base}, i})` with targets :math:`t_i` (the init
+        location, else the prior's median) and :math:`\sigma` (``init_scale``, else the prior's spread). The flow is
+        shared by a plate's elements, so a plated site starts at its elements' mean target: exact when the init
+        location and the prior's median are the same for every element (``init_to_feasible``, ``init_to_median``,
+        ``init_to_mean``, one value given to ``init_to_value``), their average otherwise (``init_to_sample``)."""
+        n = site.element_numel
+        one = torch.ones(n, dtype=dtype, device=site.value.device)
+        if site.reparameterized and not self._start_at_init_loc and self._init_scale is None:
+            return one * 0.0, one  # the identity: PAVI's own start at the prior conditional
+        fn = site.fn
+        if site.is_global and site.batch_shape:
+            fn = fn.to_event(len(site.batch_shape))
+        to_unconstrained = biject_to(fn.support).inv
+        batch = fn.batch_shape
+        num_draws = max(16, min(512, 2**16 // max(1, batch.numel() * n)))
+        with torch.no_grad():
+            draws = to_unconstrained(fn.sample((num_draws,))).to(dtype).reshape((num_draws, *batch, n))
+            init = to_unconstrained(site.value).to(dtype).reshape((*batch, n))
+            q = empirical_quantiles(draws, [0.25, 0.5, 0.75])
+            prior_median = q[1]
+            prior_spread = ((q[2] - q[0]) / 1.349).reshape(-1, n).mean(0).clamp(min=1e-6)
+            if site.reparameterized:
+                base_median, base_spread = prior_median, prior_spread
+            else:  # a standard normal base in unconstrained space
+                base_median, base_spread = torch.zeros_like(prior_median), one
+            target = init if self._start_at_init_loc else prior_median
+            spread = prior_spread if self._init_scale is None else one * self._init_scale
+            scale = spread / base_spread
+            loc = (target - scale * base_median).reshape(-1, n).mean(0)
+        return loc, scale
 
     def _register_networks(self) -> None:
         """Put the networks' parameters in Pyro's param store (so SVI optimises them), and adopt the store's tensors
         when it already holds some under these names (e.g. after ``pyro.get_param_store().load(...)``), as
         ``PyroParam``\\ s do. (Pyro's conditional transforms are abstract base classes, which ``to_pyro_module_``
         cannot convert.)"""
-        for name in ("flows", "encoder"):  # self._modules: PyroModule's getattr would register them again
+        for name in ("flows", "encoder", "site_affines"):  # self._modules: PyroModule's getattr would register again
             pyro.module(self._pyro_get_fullname(name), self._modules[name], update_module_params=True)
         if self.stick_the_landing:
-            flows = self._modules["flows"]
+            live = nn.ModuleDict({"flows": self._modules["flows"], "affines": self._modules["site_affines"]})
             if self._detached_flows is None:
-                self._detached_flows = (copy.deepcopy(flows).requires_grad_(False),)
-            for twin, live in zip(self._detached_flows[0].parameters(), flows.parameters(), strict=True):
-                twin.data = live.data  # same storage, no autograd history: the flows with detached parameters
+                self._detached_flows = (copy.deepcopy(live).requires_grad_(False),)
+            for twin, param in zip(self._detached_flows[0].parameters(), live.parameters(), strict=True):
+                twin.data = param.data  # same storage, no autograd history: the flows with detached parameters
 
     def _covariates(self, args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
         assert self.structure is not None
@@ -325,22 +381,32 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
     def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         """Sample every latent site; returns ``{site: constrained value}``."""
         self._require_setup(*args, **kwargs)
+        # in an AutoGuideList the list has opened (and recorded) the plates: use their indices, record them once
+        listed = {} if self.master is None else dict(getattr(self.master(), "plates", None) or {})
+        forced = {name: plate.indices for name, plate in listed.items()}
         observations, calls, covariates, gathers, data = None, None, {}, None, {}
         if self.encoder_kind == "deepset":
-            calls, observations = capture_observations(self.model, args, kwargs)
+            calls, observations = capture_observations(_ForceSubsamples(forced)(self.model), args, kwargs)
             covariates = self._covariates(args, kwargs)
         elif self._gather_maps is not None:  # the plates of this call, to find the gathered ancestors' elements
             with keep_random_state():  # (the same draws as without gathers)
-                calls = capture_plates(self.model, args, kwargs)
+                calls = capture_plates(_ForceSubsamples(forced)(self.model), args, kwargs)
         if self._gather_maps is not None:  # found now: the model must not run again inside the cascade
             self._gather_maps.model = self.model
             gathers = self._gather_maps.call(args, kwargs, calls).prepare(self.levels)
         if self.encoder_kind == "deepset":
             data = self._site_data(args, kwargs, calls, observations, covariates, gathers)
+        forced = {**{name: call.indices for name, call in (calls or {}).items()}, **forced}
         self._register_networks()
-        cascade = _Cascade(self, observations, calls, covariates, gathers, data)
-        with poutine.block(hide_fn=_hidden), cascade:
-            self._cascade_model(*args, **kwargs)
+        cascade = _Cascade(self, observations, covariates, gathers, data, forced)
+
+        def hidden(msg: dict) -> bool:
+            if isinstance(msg["fn"], _Subsample):
+                return msg["name"] in listed
+            return _hidden(msg) or msg["name"] in self.structure.observed  # observed at setup, left out now
+
+        with poutine.block(hide_fn=hidden), cascade:
+            self.user_model(*args, **kwargs)  # the cascade runs the model itself, without the init strategy
         missing = [n for n in self.structure.latent if n not in cascade.result]
         if missing:
             raise StructureError(
@@ -431,29 +497,33 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         parts = [_fit_batch(p, len(batch)) for p in parts]
         batch = torch.broadcast_shapes(batch, *(p.shape[:-1] for p in parts))
         context = torch.cat([p.expand(batch + p.shape[-1:]) for p in parts], dim=-1)
-        if base.batch_shape != batch:
-            base = base.expand(batch)
-
+        flat = torch.Size((n,))
+        reshape = event_u != flat
+        if site.reparameterized:  # the prior conditional, flattened in unconstrained space
+            if base.batch_shape != batch:
+                base = base.expand(batch)
+            head = [to_support.inv] + ([ReshapeTransform(event_u, flat)] if reshape else [])
+        else:  # no rsample: a standard normal in unconstrained space takes its place (as AutoNormal's base)
+            base = dist.Normal(context.new_zeros(batch + flat), 1.0).to_event(1)
+            head = []
         tap = _Tap()
 
-        def push_forward(flow: nn.Module, context: torch.Tensor) -> dist.TorchDistribution:
-            flat = torch.Size((n,))
-            reshape = event_u != flat
-            transforms = [to_support.inv]
-            transforms += [ReshapeTransform(event_u, flat)] if reshape else []
-            transforms += [tap, flow.condition(context)]
+        def push_forward(flow: nn.Module, affine: FreeAffine, context: torch.Tensor) -> dist.TorchDistribution:
+            transforms = [*head, tap, flow.condition(context), affine.transform()]
             transforms += [ReshapeTransform(flat, event_u)] if reshape else []
             transforms.append(to_support)
             return dist.TransformedDistribution(base, transforms)
 
-        q = push_forward(self._modules["flows"][_key(name)], context)
+        key = self._keys[name]
+        q = push_forward(self._modules["flows"][key], self._modules["site_affines"][key], context)
         maps = _SiteMaps(q.transforms, tap, n)
         if self.stick_the_landing:
             assert self._detached_flows is not None
             for i in range(len(encodings)):  # encodings are variational parameters; the ancestors' values are not
                 parts[i] = parts[i].detach()
             context = torch.cat([p.expand(batch + p.shape[-1:]) for p in parts], dim=-1)
-            q = StickingTheLanding(q, push_forward(self._detached_flows[0][_key(name)], context))
+            twin = self._detached_flows[0]
+            q = StickingTheLanding(q, push_forward(twin["flows"][key], twin["affines"][key], context))
         return q, maps
 
     def _ancestor_view(self, level, ancestor: str, x: torch.Tensor, cascade: _Cascade) -> torch.Tensor:
@@ -476,15 +546,34 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
     @torch.no_grad()
     def sample_latents(self, num_samples: int, *args, **kwargs) -> dict[str, torch.Tensor]:
         """``num_samples`` joint draws of every latent site (constrained), stacked in a leading dim, for the plates
-        as the model opens them with these arguments."""
+        as the model opens them with these arguments.
+
+        The draws are taken at once, under a plate of ``num_samples`` left of the model's plates (the guide runs the
+        model). A model that cannot run batched that way (e.g. ``locs[assignment]`` instead of
+        ``locs[..., assignment]``, which ``Predictive(parallel=True)`` refuses too) is run once per draw instead,
+        with a warning: the same draws, only slower."""
         self._require_setup(*args, **kwargs)
         assert self.structure is not None
         dim = -self.structure.max_plate_nesting - 1
-        with poutine.block(), poutine.trace() as tr, pyro.plate("_pavi_draws", num_samples, dim=dim):
-            self(*args, **kwargs)
+        try:
+            with poutine.block(), poutine.trace() as tr, pyro.plate("_pavi_draws", num_samples, dim=dim):
+                self(*args, **kwargs)
+            values = {name: tr.trace.nodes[name]["value"] for name in self.structure.latent}
+        except (ValueError, RuntimeError, IndexError) as e:
+            warnings.warn(
+                f"{type(self).__name__}: the model could not run batched over {num_samples} draws ({type(e).__name__}: "
+                f"{e}); drawing them one model run at a time (slower). Index with a leading ellipsis (x[..., i]) to "
+                "make the model batch-friendly.",
+                stacklevel=2,
+            )
+            draws = []
+            for _ in range(num_samples):
+                with poutine.block():
+                    draws.append(self(*args, **kwargs))
+            values = {name: torch.stack([d[name] for d in draws]) for name in self.structure.latent}
         out = {}
         for name, site in self.structure.latent.items():
-            value = tr.trace.nodes[name]["value"]
+            value = values[name]
             rank = len(site.shape)
             out[name] = value.reshape((num_samples, *value.shape[value.dim() - rank :]) if rank else (num_samples,))
         return out
@@ -561,14 +650,14 @@ class _SiteMaps:
 class _Cascade(PlateRecorder):
     """Runs inside the model: replaces each latent site's prior by the guide's flow, records plates and values."""
 
-    def __init__(self, guide: AutoPlateAmortizedFlow, observations, calls, covariates, gathers, data) -> None:
+    def __init__(self, guide: AutoPlateAmortizedFlow, observations, covariates, gathers, data, forced) -> None:
         super().__init__()
         self.guide = guide
         self.observations = observations
         self.covariates = covariates
         self.gathers = gathers
         self.data = data
-        self.forced = calls or {}
+        self.forced = forced  # plate name → the indices to use (those the encoder saw, or an AutoGuideList's)
         self.encodings: dict[str, torch.Tensor] = {}
         self.base_values: dict[str, torch.Tensor] = {}
         self.result: dict[str, torch.Tensor] = {}
@@ -576,13 +665,11 @@ class _Cascade(PlateRecorder):
 
     def _pyro_sample(self, msg) -> None:
         if isinstance(msg["fn"], _Subsample):
-            forced = self.forced.get(msg["name"])
-            if msg["value"] is None and forced is not None:  # the indices the encoder saw
-                msg["value"] = forced.indices
+            _force_subsample(msg, self.forced)
             super()._pyro_sample(msg)
             return
-        if msg["is_observed"]:
-            return
+        if msg["is_observed"] or msg["name"] in self.guide.structure.observed:
+            return  # an observation (Predictive leaves it out to sample it from the model): not the guide's
         msg["fn"], self._maps[msg["name"]] = self.guide._site_distribution(msg, self)
 
     def _pyro_post_sample(self, msg) -> None:
@@ -596,13 +683,35 @@ class _Cascade(PlateRecorder):
         self.base_values[name] = self._maps[name].base_value(msg["value"])
 
 
+def _force_subsample(msg: dict, forced: dict[str, torch.Tensor]) -> None:
+    """Give a plate's subsample site the indices in ``forced`` (refusing other indices chosen by the model)."""
+    indices = forced.get(msg["name"])
+    if indices is None:
+        return
+    if msg["value"] is None:
+        msg["value"] = indices
+    elif not torch.equal(torch.as_tensor(msg["value"]).to(indices.device), indices):
+        raise StructureError(
+            f"the model gave plate '{msg['name']}' its own subsample indices, but the AutoGuideList opened it with "
+            "others: give the AutoGuideList create_plates returning the model's indices (as for AutoNormal)"
+        )
+
+
+class _ForceSubsamples(Messenger):
+    """Runs a model with the subsample indices ``forced`` (plate name → indices)."""
+
+    def __init__(self, forced: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.forced = forced
+
+    def _pyro_sample(self, msg) -> None:
+        if isinstance(msg["fn"], _Subsample):
+            _force_subsample(msg, self.forced)
+
+
 def _hidden(msg: dict) -> bool:
     """The model's observed sites (and factors, deterministic sites) stay out of the guide's trace."""
-    return msg["type"] == "sample" and msg["is_observed"] and not isinstance(msg["fn"], _Subsample)
-
-
-def _key(name: str) -> str:
-    return name.replace(".", "_")
+    return msg["type"] == "sample" and msg["is_observed"]
 
 
 def _fit_batch(t: torch.Tensor, ndim: int) -> torch.Tensor:

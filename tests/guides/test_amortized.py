@@ -249,9 +249,10 @@ def exact_linear_part(guide, dim):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_natural_form_contains_the_exact_conditional(dtype):
-    """Λ₀ = I, η₀ = 0, B = I and a linear observation map L_j = x_j, t_j = y_j give p(z_i | θ, y) exactly."""
+    """Λ₀ = I (init_scale=1), m₀ = 0, B = I and a linear observation map L_j = x_j, t_j = y_j give p(z_i | θ, y)
+    exactly."""
     p = synthetic_regression(num_groups=6, num_obs=9, dim=3, seed=1, dtype=dtype)
-    guide = AutoAmortizedBranchGuide(p.model, local_features=features_of, observation_net=())
+    guide = AutoAmortizedBranchGuide(p.model, local_features=features_of, observation_net=(), init_scale=1.0)
     assert guide.form == "natural"
     guide(*p.args)
     with torch.no_grad():
@@ -275,7 +276,7 @@ def test_natural_form_contains_the_exact_conditional(dtype):
 def test_natural_form_ragged_groups_equal_the_padded_nested_formulation(covariance):
     x, y, group = ragged_data()
     xp, yp, mask = padded(x, y, group)
-    opts = {"covariance": covariance, "observation_net": (8,), "rank": 2}
+    opts = {"covariance": covariance, "observation_net": (8,), "rank": 2, "init_scale": 1.0}  # Λ₀ ≈ I
     nested = AutoAmortizedBranchGuide(padded_model, local_features=lambda xp, yp, mask: xp, **opts)
     nested(xp, yp, mask)
     with torch.no_grad():
