@@ -281,7 +281,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         self.natural = PyroModule()  # free parameters (Λ₀, m₀, B) of the local levels, form="natural"
         self._data_cache: dict = {}  # the last data of nested sources, for calls that omit the observations
         super()._setup_guide(structure)  # free parameters for the other levels, networks via _setup_level
-        to_pyro_module_(self.nets)
+        to_pyro_module_(self._modules["nets"])  # (not self.nets: see _setup_level)
         keyed = self._gathered_keys()
         if keyed:
             assert self._gather_maps is not None
@@ -381,7 +381,9 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         if self._is_conditional(level):
             out += d * self._ancestor_numel(level)
         params = self._make_param_net(pooled_size, out, init)
-        self.nets[_key(level.name)] = nn.ModuleDict({"features": feats, "params": params})
+        # (self._modules: reading self.nets before to_pyro_module_ would register its torch layers in Pyro's param
+        # store a second time, under pyro.module names, which JitTrace_ELBO then asks for)
+        self._modules["nets"][_key(level.name)] = nn.ModuleDict({"features": feats, "params": params})
 
     def _setup_natural_level(self, level: PlateLevel, init: torch.Tensor) -> None:
         """Observation networks (one per data source) and the free ``Λ₀`` (Cholesky), ``m₀`` and ``B``."""
@@ -392,7 +394,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             rows, weights = self._source_rows(level, source, args, kwargs, calls, observations, init.dtype)
             net = self._make_observation_net(level, rows.shape[-1], len(self._sources[level.name]), init)
             feats[str(k)] = nn.Sequential(Standardize.from_data(rows, weights).to(init.device), net)
-        self.nets[key] = nn.ModuleDict({"observations": feats})
+        self._modules["nets"][key] = nn.ModuleDict({"observations": feats})  # (see _setup_level)
         # q starts from the prior-like factor N(m₀, Λ₀⁻¹) with Λ₀ = I / init_scale² (the sd is init_scale before the
         # data's terms, at most init_scale with them), m₀ = the mean initial location, B = 0. η₀ = Λ₀ m₀ is stored
         # as m₀, whose Adam steps move the mean by the learning rate whatever Λ₀ is.

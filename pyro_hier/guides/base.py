@@ -340,7 +340,8 @@ class HierarchicalGuide(AutoGuide):
 
 class _ContinuousInit:
     """An init strategy that leaves discrete sites to their prior: the guide does not model them (they are
-    enumerated), so unlike ``AutoNormal`` the user need not hide them with ``poutine.block``."""
+    enumerated), so unlike ``AutoNormal`` the user need not hide them with ``poutine.block``. A value that broadcasts
+    to the site's shape (``init_to_value(values={"z": torch.tensor(0.3)})`` for a plated ``z``) is expanded to it."""
 
     def __init__(self, init_loc_fn: Callable) -> None:
         self.init_loc_fn = init_loc_fn
@@ -348,7 +349,11 @@ class _ContinuousInit:
     def __call__(self, site: dict) -> torch.Tensor:
         if site["fn"].support.is_discrete:
             return site["fn"].sample().detach()
-        return self.init_loc_fn(site)
+        value = self.init_loc_fn(site)
+        shape = site["fn"].shape()  # inside the site's plates: a value given once (init_to_value) is every element's
+        if value.shape != shape and torch.broadcast_shapes(value.shape, shape) == shape:
+            value = value.expand(shape).clone()
+        return value
 
 
 class _MainReference:

@@ -62,6 +62,8 @@ from pyro_hier.transforms import positive, positive_inv
 __all__ = ["AutoHierarchicalVM", "HVMSiteDistribution", "ImplicitMixtureOfDiagNormals"]
 
 _PRIORS = ("mixture", "flow")
+#: continuous sites: the share of q(z)'s initial variance in the spread of λ's location (the rest is q(z | λ)'s)
+_LOC_SPREAD_FRACTION = 0.5
 _MAX_CATEGORIES = 64
 
 
@@ -134,27 +136,28 @@ class ImplicitMixtureOfDiagNormals(TorchDistribution):
         locs = self.locs.expand((*shape[:-1], k, d))
         scales = self.scales.expand((*shape[:-1], k, d))
         log_w = torch.log_softmax(self.logits, -1).expand((*shape[:-1], k))
-        with torch.no_grad():
-            which = torch.distributions.Categorical(logits=log_w).sample()
-            index = which[..., None, None].expand((*shape[:-1], 1, d))
-            x = locs.gather(-2, index).squeeze(-2) + scales.gather(-2, index).squeeze(-2) * torch.randn(
-                shape, dtype=locs.dtype, device=locs.device
-            )
+        # the draw and the terms of its implicit gradient are computed from detached tensors (not under no_grad, which
+        # torch.jit.trace does not record: JitTrace_ELBO would then differentiate them too)
+        which = torch.distributions.Categorical(logits=log_w.detach()).sample()
+        index = which[..., None, None].expand((*shape[:-1], 1, d))
+        x = locs.detach().gather(-2, index).squeeze(-2) + scales.detach().gather(-2, index).squeeze(-2) * torch.randn(
+            shape, dtype=locs.dtype, device=locs.device
+        )
         if not (locs.requires_grad or scales.requires_grad or log_w.requires_grad):
             return x
         coords = []
         for j in range(d):
             xj, mu, sd = x[..., j], locs[..., j], scales[..., j]
-            with torch.no_grad():
-                eps = (xj.unsqueeze(-1) - mu) / sd
-                log_n = -0.5 * eps.pow(2) - sd.log() - 0.5 * math.log(2 * math.pi)
-                log_joint = log_w + log_n
-                log_p = torch.logsumexp(log_joint, -1, keepdim=True)
-                rho = (log_joint - log_p).exp()
-                # Φ_k / p, or −Q_k / p right of the mixture's median (equal since Σ dw_k = 0; no cancellation)
-                log_cdf = torch.special.log_ndtr(eps)
-                right = torch.logsumexp(log_w + log_cdf, -1, keepdim=True) > math.log(0.5)
-                ratio = torch.where(right, -(torch.special.log_ndtr(-eps) - log_p).exp(), (log_cdf - log_p).exp())
+            mu_, sd_, log_w_ = mu.detach(), sd.detach(), log_w.detach()
+            eps = (xj.unsqueeze(-1) - mu_) / sd_
+            log_n = -0.5 * eps.pow(2) - sd_.log() - 0.5 * math.log(2 * math.pi)
+            log_joint = log_w_ + log_n
+            log_p = torch.logsumexp(log_joint, -1, keepdim=True)
+            rho = (log_joint - log_p).exp()
+            # Φ_k / p, or −Q_k / p right of the mixture's median (equal since Σ dw_k = 0; no cancellation)
+            log_cdf = torch.special.log_ndtr(eps)
+            right = torch.logsumexp(log_w_ + log_cdf, -1, keepdim=True) > math.log(0.5)
+            ratio = torch.where(right, -(torch.special.log_ndtr(-eps) - log_p).exp(), (log_cdf - log_p).exp())
             w = log_w.exp()
             delta = (rho * ((mu - mu.detach()) + eps * (sd - sd.detach()))).sum(-1) - ((w - w.detach()) * ratio).sum(-1)
             xj = xj + delta
@@ -570,10 +573,12 @@ class AutoHierarchicalVM(HierarchicalGuide):
         s = self._init_scale
         if spec.continuous:
             u = self._init_unconstrained(site)
-            lam = torch.stack([u, torch.full_like(u, math.log(s / math.sqrt(2)))], -1).reshape((*lead, -1))
-            loc_sd = s / 2 if self.prior == "mixture" else s / math.sqrt(2)
+            f = _LOC_SPREAD_FRACTION
+            lam = torch.stack([u, torch.full_like(u, math.log(s * math.sqrt(1 - f)))], -1).reshape((*lead, -1))
+            loc_sd = s * math.sqrt(f / 2) if self.prior == "mixture" else s * math.sqrt(f)
             sd = torch.stack([torch.full_like(u, loc_sd), torch.full_like(u, s / 2)], -1).reshape((*lead, -1))
-            offset = torch.stack([torch.full_like(u, s / 2 * self._init_spread), torch.zeros_like(u)], -1)
+            offset_sd = s * math.sqrt(f / 2) * self._init_spread
+            offset = torch.stack([torch.full_like(u, offset_sd), torch.zeros_like(u)], -1)
             offset = offset.reshape((*lead, 1, -1))
             half = torch.randn((*lead, k // 2, lam.shape[-1]), dtype=lam.dtype, device=lam.device)
             noise = torch.cat([half, -half, half[..., : k % 2, :] * 0], dim=-2)
@@ -714,7 +719,8 @@ class AutoHierarchicalVM(HierarchicalGuide):
             if i and level.numel > 1:  # reverse the order between autoregressive layers
                 transforms.append(T.Permute(torch.arange(level.numel - 1, -1, -1, device=loc.device)))
             transforms.append(layer)
-        transforms.append(T.AffineTransform(loc, scale, event_dim=1))
+        # cached, as the spline layers are: log q(λ) of a draw then needs no autoregressive inverse (d network passes)
+        transforms.append(T.AffineTransform(loc, scale, event_dim=1, cache_size=1))
         return dist.TransformedDistribution(base, transforms)
 
     def _inverse_flow(
