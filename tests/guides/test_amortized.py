@@ -266,7 +266,9 @@ def test_natural_form_contains_the_exact_conditional(dtype):
     torch.testing.assert_close(q["loc"].squeeze(1).double(), mu, **tol)
     torch.testing.assert_close(q["weight"].squeeze(1).double(), A, **tol)
     torch.testing.assert_close((q["scale_tril"] @ q["scale_tril"].mT).squeeze(1).double(), Sigma, **tol)
-    # ... and the untrained guide is far from it (the check can fail)
+    # ... and the untrained guide is far from it (the check can fail); a fresh param store, or the new guide of the
+    # same class would adopt the first one's parameters, as PyroParams do
+    pyro.clear_param_store()
     fresh = AutoAmortizedBranchGuide(p.model, local_features=features_of, observation_net=())
     fresh(*p.args)
     assert (fresh.local_posterior(*p.args)["groups"]["loc"].squeeze(1).double() - mu).abs().max() > 0.1
