@@ -134,7 +134,9 @@ class HierarchicalGuide(AutoGuide):
         state["_model"] = None
         state["_verify_model"] = False
         user = self._user_model
-        if isinstance(user, tuple):
+        if state.pop("_deep_copying", False):  # copy.deepcopy in this process: the model as it is
+            pass
+        elif isinstance(user, tuple):
             portable = _portable(user[0])
             state["_user_model"] = (
                 portable if isinstance(portable, _MainReference) else ((portable,) if portable is not None else None)
@@ -150,6 +152,14 @@ class HierarchicalGuide(AutoGuide):
             structure.model = None
             state["structure"] = structure
         return state
+
+    def __deepcopy__(self, memo: dict):
+        """``copy.deepcopy(guide)`` keeps the model, whatever it is (a copy stays in this process)."""
+        self.__dict__["_deep_copying"] = True
+        try:
+            return copy._reconstruct(self, memo, *self.__reduce_ex__(4))
+        finally:
+            del self.__dict__["_deep_copying"]
 
     def _check_reattached_model(self, args: tuple, kwargs: dict) -> None:
         """A model found by name after unpickling must be the one the guide was built for: same latent sites in the

@@ -8,6 +8,7 @@ counted by benchmarks/scale_steps.py).
 
 from __future__ import annotations
 
+import copy
 import io
 import math
 import os
@@ -481,8 +482,8 @@ def test_scales_move_tenfold_up_and_down_alike_under_jit(name):
     assert math.log(after["wide"] / before["wide"]) > 0.25, (before, after)
     assert math.log(before["narrow"] / after["narrow"]) > 0.25, (before, after)
     med = median(guide)
-    if name != "hvm-mixture":  # its two components separate first, asymmetrically: the median wanders by up to
-        # 0.15 in 100 steps of Adam(0.02) (eager and JIT alike, 6 seeds) and settles within 0.05 by step 400
+    if name != "hvm-mixture":  # its components' locations are noisier this early (each sees part of the draws):
+        # tests/guides/test_hvm.py checks its median over 100 steps, as the issue measured it
         assert abs(float(med["wide"])) < 0.1 and abs(float(med["narrow"])) < 1.5 * after["narrow"], med
 
 
@@ -648,6 +649,18 @@ def test_pickled_with_an_importable_model_and_reattached():
     assert_same(copy.median(y), guide.median(y))
     copy.attach_model(toy_model)
     assert_same(copy.median(y), guide.median(y))
+
+
+@pytest.mark.parametrize("name", ["branch-dense", "pavi-free"])
+def test_deepcopy_keeps_even_a_lambda_model(name):
+    """A copy stays in this process: ``copy.deepcopy`` keeps the model whatever it is (pickling could not)."""
+    y = toy_data()
+    model = lambda y=None, subsample=None: toy_model(y, subsample)  # noqa: E731
+    guide = GUIDES[name](model)
+    fit(guide, model, y, steps=2, subsample=torch.tensor([1, 4]))
+    twin = copy.deepcopy(guide)
+    assert twin.user_model is model
+    fit(twin, model, y, steps=2, subsample=torch.tensor([0, 2]))  # minibatches need the model's indices
 
 
 # ---- errors --------------------------------------------------------------------------------------------------------
