@@ -277,7 +277,7 @@ class _SiteSpec:
         """``q(z | λ)`` from ``params`` of shape ``(..., *elem_shape, P)`` (``event=False``: one factor per
         coordinate, no event dims)."""
         if self.family == "normal":
-            d = dist.Normal(params[..., 0], params[..., 1].exp())
+            d = dist.Normal(params[..., 0], positive(params[..., 1]))
         elif self.family == "bernoulli":
             d = dist.Bernoulli(logits=params[..., 0])
         elif self.family == "categorical":

@@ -102,6 +102,14 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
     from the minibatch, as PAVI's reduced model does (slightly biased, as the paper notes). A call without the
     observations (``obs=None``) encodes from the data of the last call that had them.
 
+    Each site's flow is followed by a free elementwise affine map (:class:`~pyro_hier.flows.FreeAffine`, shared by the
+    site's plate elements; the named flows start as the identity), which Adam moves as it moves ``AutoNormal``'s
+    locations and log-scales, and which sets the start: by default the prior conditional itself (PAVI's own start);
+    with ``init_loc_fn`` the median at the init values (for a plated site, their mean over the elements) and with
+    ``init_scale`` that spread in unconstrained space. A site whose prior has no ``rsample`` (``LKJCholesky``) is
+    pushed forward from a standard normal in unconstrained space instead, as ``AutoNormal``'s Gaussian; it starts at
+    the prior's median and spread (estimated from draws) unless told otherwise.
+
     Each call runs the model once under a handler that replaces each latent site's distribution by the flow pushing
     it forward, so the guide needs no description of the model beyond its trace; it opens the model's own plates
     with the model's own indices (``pyro.plate(..., subsample=idx)`` is honoured; with ``subsample_size=`` the guide
