@@ -2,12 +2,15 @@
 
 Same minibatch size (400 groups of 100 observations, D = 10), same seeds; median time of ``svi.step`` over
 ``--steps`` steps after ``--warmup`` steps, parameter count and peak resident memory, for AutoAmortizedBranchGuide and
-(for contrast) AutoBranchGuide ``dense``, whose per-group parameters and optimiser state grow with N.
+(for contrast) AutoBranchGuide ``dense``, whose per-group parameters and optimiser state grow with N. The optimiser is
+``pyro_hier.optim.Adam`` (a dense guide's step then reads and writes only the minibatch's rows;
+``--optimizer dense``: ``pyro.optim.Adam``, every row on every step).
 
 Usage::
 
     python benchmarks/amortized_scaling.py                  # ~3 minutes
     python benchmarks/amortized_scaling.py --threads 1 --steps 10
+    python benchmarks/amortized_scaling.py --jit --device cuda
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ import time
 
 import pyro
 import torch
-from pyro.infer import SVI, Trace_ELBO
+from pyro.infer import SVI, JitTrace_ELBO, Trace_ELBO
 
+import pyro_hier.optim
 from pyro_hier import AutoAmortizedBranchGuide, AutoBranchGuide
 from pyro_hier.diagnostics import count_parameters
 from pyro_hier.problems import synthetic_regression
@@ -35,17 +39,26 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
 
 
-def time_steps(problem, guide, batch: int, warmup: int, steps: int, seed: int) -> list[float]:
+def time_steps(problem, guide, batch: int, warmup: int, steps: int, seed: int, opts) -> list[float]:
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
-    svi = SVI(problem.model, guide, pyro.optim.Adam({"lr": 1e-3}), Trace_ELBO())
+    optim = pyro_hier.optim.Adam({"lr": 1e-3}) if opts.optimizer == "lazy" else pyro.optim.Adam({"lr": 1e-3})
+    elbo = JitTrace_ELBO(ignore_jit_warnings=True) if opts.jit else Trace_ELBO()
+    svi = SVI(problem.model, guide, optim, elbo)
     gen = torch.Generator().manual_seed(seed)
     n = problem.args[0].shape[0]
+    device = problem.args[0].device
     times = []
     for k in range(warmup + steps):
-        idx = torch.randperm(n, generator=gen)[:batch].sort().values
+        idx = torch.randperm(n, generator=gen)[:batch].sort().values.to(device)
+        if k == 0 and opts.jit:
+            guide(*problem.args, idx)  # the parameters exist before the loss is traced
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         start = time.perf_counter()
-        svi.step(*problem.args, subsample=idx)
+        svi.step(*problem.args, idx)  # positional: JitTrace_ELBO keys its compiled functions on keyword arguments
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         if k >= warmup:
             times.append(time.perf_counter() - start)
     return times
@@ -59,6 +72,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--optimizer", choices=["lazy", "dense"], default="lazy", help="pyro_hier.optim.Adam or pyro's")
+    p.add_argument("--jit", action="store_true", help="JitTrace_ELBO instead of Trace_ELBO")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (fails clearly without CUDA)")
     p.add_argument(
         "--guides",
         nargs="+",
@@ -68,14 +84,18 @@ def main() -> None:
         "amortized: its form='paper' with the paper's networks; dense: AutoBranchGuide",
     )
     opts = p.parse_args()
+    if opts.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {opts.device}: torch sees no CUDA device (torch.cuda.is_available() is False)")
     torch.set_num_threads(opts.threads)
     print(
         f"{platform.platform()}, {os.cpu_count()} CPUs, torch {torch.__version__} ({opts.threads} threads), "
-        f"pyro {pyro.__version__}; minibatch {opts.batch} groups, median of {opts.steps} steps"
+        f"pyro {pyro.__version__}; minibatch {opts.batch} groups, median of {opts.steps} steps; optimiser "
+        f"{opts.optimizer}, {'JitTrace_ELBO' if opts.jit else 'Trace_ELBO'}, device {opts.device}; "
+        f"load {os.getloadavg()}"
     )
     rows = []
     for n in opts.sizes:
-        problem = synthetic_regression(num_groups=n, seed=opts.seed, dtype=torch.float32)
+        problem = synthetic_regression(num_groups=n, seed=opts.seed, dtype=torch.float32, device=opts.device)
         for name in opts.guides:
             if name in ("natural", "linear", "amortized"):
                 options = {"form": "paper"} if name == "amortized" else {"form": "natural"}
@@ -84,7 +104,7 @@ def main() -> None:
                 guide = AutoAmortizedBranchGuide(problem.model, local_features=problem.local_features, **options)
             else:
                 guide = AutoBranchGuide(problem.model, covariance="dense")
-            times = time_steps(problem, guide, opts.batch, opts.warmup, opts.steps, opts.seed)
+            times = time_steps(problem, guide, opts.batch, opts.warmup, opts.steps, opts.seed, opts)
             rows.append((n, name, 1000 * statistics.median(times), count_parameters(guide), peak_rss_gb()))
             print(
                 f"  N={n:>7} {name:<10} {rows[-1][2]:8.1f} ms/step  {rows[-1][3]:>10} params  "

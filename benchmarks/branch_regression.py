@@ -48,9 +48,10 @@ from dataclasses import asdict, dataclass, field
 
 import pyro
 import torch
-from pyro.infer import SVI, Trace_ELBO
+from pyro.infer import SVI, JitTrace_ELBO, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 
+import pyro_hier.optim
 from pyro_hier import AutoAmortizedBranchGuide, AutoBranchGuide
 from pyro_hier.diagnostics import count_parameters, elbo_estimate
 from pyro_hier.problems import synthetic_regression
@@ -206,6 +207,18 @@ def set_lr(optim: pyro.optim.PyroOptim, lr: float) -> None:
             group["lr"] = lr
 
 
+def make_optim(kind: str, lr: float, clip_norm: float) -> pyro.optim.PyroOptim:
+    """``lazy``: pyro_hier.optim.ClippedAdam (per-group rows updated only when in the minibatch, sparse gradients);
+    ``dense``: pyro.optim.ClippedAdam (every row on every step)."""
+    args = {"lr": lr, "lrd": 1.0, "clip_norm": clip_norm}
+    return pyro_hier.optim.ClippedAdam(args) if kind == "lazy" else pyro.optim.ClippedAdam(args)
+
+
+def sync(args: tuple) -> None:
+    if args[0].is_cuda:
+        torch.cuda.synchronize(args[0].device)
+
+
 def train(
     run: GuideRun,
     model: Callable,
@@ -216,23 +229,31 @@ def train(
     clip_norm: float = 10.0,
     seed: int,
     log: Callable[[str], None],
+    optimizer: str = "lazy",
+    jit: bool = False,
 ) -> tuple[torch.nn.Module, SVI]:
     """Train one guide for ``run.seconds_budget`` seconds of step time; the learning rate decays exponentially in
-    elapsed step time from ``run.lr`` to ``run.lr * lr_final`` (the same schedule in time for every guide)."""
+    elapsed step time from ``run.lr`` to ``run.lr * lr_final`` (the same schedule in time for every guide). The
+    minibatch indices are passed positionally (``JitTrace_ELBO`` keys its compiled functions on keyword
+    arguments)."""
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
     guide = make_guide(run.guide, model)
-    optim = pyro.optim.ClippedAdam({"lr": run.lr, "lrd": 1.0, "clip_norm": clip_norm})
-    svi = SVI(model, guide, optim, Trace_ELBO())
+    if jit:
+        guide(*args, batches[0].to(args[0].device))  # the parameters exist before the loss is traced
+    optim = make_optim(optimizer, run.lr, clip_norm)
+    svi = SVI(model, guide, optim, JitTrace_ELBO(ignore_jit_warnings=True) if jit else Trace_ELBO())
     elapsed, times, losses = 0.0, [], []
     next_report = 0.0
     with PeakRSS() as mem:
         k = 0
         while elapsed < run.seconds_budget:
-            idx = batches[k]
+            idx = batches[k].to(args[0].device)
             set_lr(optim, run.lr * lr_final ** min(1.0, elapsed / run.seconds_budget))
+            sync(args)
             t0 = time.perf_counter()
-            loss = svi.step(*args, subsample=idx)
+            loss = svi.step(*args, idx)
+            sync(args)
             dt = time.perf_counter() - t0
             if not math.isfinite(loss):
                 raise FloatingPointError(f"{run.guide}: loss {loss} at step {k} (N={run.N})")
@@ -313,12 +334,14 @@ def interleaved_timing(
     names = [r.guide for r in runs]
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
-        idx = batches[start + r]
+        idx = batches[start + r].to(args[0].device)
         order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             with store.scope(scopes[name]):
+                sync(args)
                 t0 = time.perf_counter()
-                svis[name].step(*args, subsample=idx)
+                svis[name].step(*args, idx)
+                sync(args)
                 times[name].append(time.perf_counter() - t0)
     for run in runs:
         t = torch.tensor(times[run.guide], dtype=torch.float64)
@@ -332,7 +355,7 @@ def interleaved_timing(
 # ---- one problem size ---------------------------------------------------------------------------------------------
 def run_size(N: int, B: int, seconds: float, opts: argparse.Namespace, log: Callable[[str], None]) -> list[GuideRun]:
     t0 = time.perf_counter()
-    problem = synthetic_regression(num_groups=N, seed=opts.seed, dtype=torch.float64)
+    problem = synthetic_regression(num_groups=N, seed=opts.seed, dtype=torch.float64, device=opts.device)
     train_dtype = getattr(torch, opts.dtype)
     eval_args = problem.args
     train_args = tuple(a.to(train_dtype) for a in eval_args)
@@ -359,6 +382,8 @@ def run_size(N: int, B: int, seconds: float, opts: argparse.Namespace, log: Call
                 clip_norm=opts.clip_norm,
                 seed=opts.seed,
                 log=log,
+                optimizer=opts.optimizer,
+                jit=opts.jit,
             )
         log(
             f"  {guide_label(name)}: {run.steps} steps, {run.mean_step_ms:.1f} ms/step (mean), "
@@ -520,6 +545,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="guides to run; X-stl = AutoBranchGuide(covariance=X, stick_the_landing=True)",
     )
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    p.add_argument(
+        "--optimizer",
+        choices=("lazy", "dense"),
+        default="lazy",
+        help="lazy: pyro_hier.optim.ClippedAdam, which updates only the minibatch's rows of per-group parameters\n"
+        "(default); dense: pyro.optim.ClippedAdam, every row on every step (the numbers before issue 20)",
+    )
+    p.add_argument("--jit", action="store_true", help="JitTrace_ELBO instead of Trace_ELBO")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (fails clearly without CUDA)")
     p.add_argument("--seed", type=int, default=0, help="data, minibatch sequence and Pyro RNG seed")
     p.add_argument("--lr", type=float, default=0.01, help="initial ClippedAdam learning rate (default 0.01)")
     p.add_argument(
@@ -555,6 +589,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timing-rounds", type=int, default=50, help="rounds of interleaved step timing (0: skip)")
     p.add_argument("--out", default=None, help="write the results to this .json or .csv file")
     opts = p.parse_args(argv)
+    if opts.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {opts.device}: torch sees no CUDA device (torch.cuda.is_available() is False)")
     if opts.quick:
         opts.sizes = opts.sizes or list(QUICK_SIZES)
         opts.seconds = opts.seconds or [QUICK_SECONDS]
@@ -625,8 +661,9 @@ def main(argv: list[str] | None = None) -> list[GuideRun]:
         f"{meta['omp_wait_policy']}), pyro-ppl {meta['pyro']}"
     )
     print(
-        f"training: ClippedAdam, lr decays exponentially in step time to x{opts.lr_final:g} over the budget; "
-        f"Trace_ELBO (1 particle); train dtype {opts.dtype}, ELBO evaluated in float64; seed {opts.seed}"
+        f"training: ClippedAdam ({opts.optimizer}), lr decays exponentially in step time to x{opts.lr_final:g} over "
+        f"the budget; {'JitTrace_ELBO' if opts.jit else 'Trace_ELBO'} (1 particle); train dtype {opts.dtype}, ELBO "
+        f"evaluated in float64; seed {opts.seed}; device {opts.device}"
     )
     print(f"load average: start {meta['load_average_start']}, end {meta['load_average_end']}")
     print()
