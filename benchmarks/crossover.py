@@ -42,6 +42,8 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see benchmarks/branch_regression.py
+# one core for every method: XLA's CPU backend would otherwise run NUTS on all cores (set XLA_FLAGS to override)
+os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
 
 import argparse
 import datetime
@@ -160,7 +162,8 @@ class Run:
     extrapolated_seconds: float | None = None  # only when not reached within the budget
     extrapolation: str = ""
     final_error: float = math.nan
-    seconds: float = 0.0  # time spent (steps for SVI, wall for NUTS)
+    seconds: float = 0.0  # time spent on the benchmark's clock (SVI: in steps; NUTS: the whole run)
+    wall_seconds: float = 0.0  # the same in wall-clock time
     steps: int = 0  # SVI steps or NUTS iterations (warm-up included)
     draws_to_accuracy: int | None = None
     seconds_per_iteration: float | None = None  # NUTS, after warm-up
@@ -223,7 +226,7 @@ def run_svi(
     svi = SVI(data.model, guide, optim, JitTrace_ELBO(ignore_jit_warnings=True) if opts.jit else Trace_ELBO())
     gen = torch.Generator().manual_seed(opts.seed)
     perm, pos = torch.randperm(N, generator=gen), 0
-    elapsed, steps = 0.0, 0
+    elapsed, wall, steps = 0.0, 0.0, 0
     checkpoints = checkpoint_times(budget)
     average = None
     log(f"  {label}: minibatch {B}, {budget:g} s, {rates}, decaying to x{opts.lr_final:g}")
@@ -235,7 +238,7 @@ def run_svi(
         for group in (g for o in optim.optim_objs.values() for g in o.param_groups):
             group["lr"] = group["initial_lr"] * opts.lr_final ** min(1.0, elapsed / budget)
         sync(device)
-        t0 = time.perf_counter()
+        t0, w0 = opts.clock(), time.perf_counter()
         loss = svi.step(*args, idx)
         for param, o in optim.optim_objs.items():  # created at the first step, one per parameter
             for group in o.param_groups:
@@ -245,7 +248,8 @@ def run_svi(
             average = average or SuffixAverage(guide, CHECKPOINTS_PER_DOUBLING)
             average.add()
         sync(device)
-        elapsed += time.perf_counter() - t0
+        elapsed += opts.clock() - t0
+        wall += time.perf_counter() - w0
         steps += 1
         if not math.isfinite(loss):
             raise FloatingPointError(f"{label}: loss {loss} at step {steps} (N={N})")
@@ -267,7 +271,7 @@ def run_svi(
                     run.seconds_to_accuracy = elapsed
                     log(f"    {key}: reached {err:.3f} <= {opts.threshold} after {elapsed:.1f} s ({steps} steps)")
     for key, run in runs.items():
-        run.seconds, run.steps = elapsed, steps
+        run.seconds, run.wall_seconds, run.steps = elapsed, wall, steps
         if run.curve:
             run.final_error = run.curve[-1][1]
         log(
@@ -437,7 +441,7 @@ def run_nuts(
     label = "NumPyro NUTS" if backend == "numpyro" else "Pyro NUTS (jit)"
     run = Run(data.kind, N, backend, label)
     stats = RunningMean()
-    start = time.perf_counter()
+    start, wall_start = opts.clock(), time.perf_counter()
     warmup = opts.warmup
     if backend == "numpyro":
         step, state, values = numpyro_sampler(data, warmup, seed)
@@ -454,13 +458,13 @@ def run_nuts(
         i += 1
         if i <= warmup:
             if i == warmup:
-                t_warm = time.perf_counter()
-            if time.perf_counter() - start > budget:
+                t_warm = opts.clock()
+            if opts.clock() - start > budget:
                 break
             continue
         theta, z = values(state)
         stats.add(theta, z)
-        elapsed = time.perf_counter() - start
+        elapsed = opts.clock() - start
         if not reference and data.mean is not None and (stats.n % opts.check_every == 0 or elapsed > budget):
             m = stats.mean()
             err = max_error(data, m["theta"], m["z"])
@@ -471,10 +475,10 @@ def run_nuts(
                 break
         if elapsed > budget:
             break
-    run.seconds = time.perf_counter() - start
+    run.seconds, run.wall_seconds = opts.clock() - start, time.perf_counter() - wall_start
     run.steps = i
     if t_warm is not None and stats.n > 0:
-        run.seconds_per_iteration = (time.perf_counter() - t_warm) / stats.n
+        run.seconds_per_iteration = (opts.clock() - t_warm) / stats.n
     elif i > 0:
         run.seconds_per_iteration = run.seconds / i
         run.note = f"stopped in warm-up after {i} of {warmup} steps"
@@ -611,6 +615,7 @@ def fmt_time(run: Run) -> str:
 def table(runs: list[Run], opts: argparse.Namespace) -> str:
     head = (
         f"{'problem':<11}{'N':>8}  {'method':<52}{'time to acc. (s)':>20}{'final err':>10}{'spent (s)':>10}"
+        f"{'wall (s)':>10}"
         f"{'steps/iter':>11}{'gap/group':>11}"
     )
     lines = [head, "-" * len(head)]
@@ -618,14 +623,16 @@ def table(runs: list[Run], opts: argparse.Namespace) -> str:
         gap = "—" if r.gap_per_group is None else f"{r.gap_per_group:.4f}"
         lines.append(
             f"{r.problem:<11}{r.N:>8}  {r.label:<52}{fmt_time(r):>20}{r.final_error:>10.3f}{r.seconds:>10.1f}"
+            f"{r.wall_seconds:>10.1f}"
             f"{r.steps:>11}{gap:>11}"
         )
         for extra in (r.note, r.extrapolation):
             if extra:
                 lines.append(f"{'':<21}{extra}")
     lines.append(
-        f"accuracy: max |E_q - E| / sd over theta and every z_i <= {opts.threshold}. time: SVI step time up to the "
-        "first checkpoint at that accuracy; NUTS wall time (compilation and warm-up included) up to that draw."
+        f"accuracy: max |E_q - E| / sd over theta and every z_i <= {opts.threshold}. time ({opts.clock_name} "
+        "seconds; 'wall' is the wall-clock time of the same span): SVI step time up to the "
+        "first checkpoint at that accuracy; NUTS run time (compilation and warm-up included) up to that draw."
     )
     lines.append("gap/group: (exact log p(y) - ELBO) / N at the end of the SVI run (regression only).")
     return "\n".join(lines)
@@ -695,7 +702,7 @@ def plot(runs: list[Run], path: str, opts: argparse.Namespace) -> None:
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("number of groups N")
-        ax.set_ylabel(f"seconds to max error <= {opts.threshold} sd")
+        ax.set_ylabel(f"{opts.clock_name} seconds to max error <= {opts.threshold} sd")
         ax.set_title(f"{problem}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
@@ -746,6 +753,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--check-every", type=int, default=25, help="NUTS draws between accuracy checks")
     p.add_argument("--reference-draws", type=int, default=10_000, help="logistic reference: NumPyro NUTS draws")
     p.add_argument("--reference-max-groups", type=int, default=1000, help="logistic: largest N with a reference")
+    p.add_argument(
+        "--clock",
+        choices=["cpu", "wall"],
+        default="cpu",
+        help="cpu: the process's CPU time (default: on a machine shared with other jobs, wall time measures their\n"
+        "load; every method runs on one core, so on an idle machine the two agree); wall: elapsed time",
+    )
     p.add_argument("--device", default="cpu", help="torch device: cpu or cuda (NumPyro runs on JAX's default device)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--seed", type=int, default=0)
@@ -755,6 +769,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     opts = p.parse_args(argv)
     if opts.device.startswith("cuda") and not torch.cuda.is_available():
         p.error(f"--device {opts.device}: torch sees no CUDA device (torch.cuda.is_available() is False)")
+    if opts.clock == "cpu" and opts.device != "cpu":
+        p.error("--clock cpu measures CPU time: use --clock wall with a GPU")
+    opts.clock_name = opts.clock
+    opts.clock = time.process_time if opts.clock == "cpu" else time.perf_counter
     if opts.device not in ("cpu",) and not opts.device.startswith("cuda"):
         p.error(f"--device must be cpu or cuda[:k], got {opts.device!r}")
     if opts.quick:
@@ -796,7 +814,8 @@ def main(argv: list[str] | None = None) -> list[Run]:
         f"command:  {command}",
         f"date:     {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
         f"machine:  {machine()}",
-        f"software: {versions}; torch threads {torch.get_num_threads()}, device {opts.device}; SVI: "
+        f"software: {versions}; torch threads {torch.get_num_threads()}, XLA_FLAGS={os.environ.get('XLA_FLAGS')}; "
+        f"device {opts.device}; clock: {opts.clock_name}; SVI: "
         f"{'JitTrace_ELBO' if opts.jit else 'Trace_ELBO'}, pyro_hier.optim.ClippedAdam (lr x{opts.lr_final:g} over "
         "the budget)",
         f"load average at the start: {os.getloadavg()}",
