@@ -229,8 +229,8 @@ def run_svi(
     """Train one guide for ``budget`` seconds; returns its run read at the last iterate and, with ``--average``, read
     at the iterates averaged over the second half of the run so far (:class:`SuffixAverage`)."""
     N = data.N
-    B = min(N, opts.batch or (100 if N <= 10_000 else 400))
     name = "autonormal" if method == "autonormal" else guide_name
+    B = min(N, opts.batch or default_batch(name, N))
     label = "AutoNormal" if method == "autonormal" else guide_label(guide_name)
     lr = opts.lr if opts.lr is not None else (0.03 if name.startswith("amortized") else 0.05)
     # per-group rows (branch guides) take lr; the globals, stepped on every minibatch, the smaller --global-lr
@@ -376,6 +376,15 @@ class SuffixAverage:
 
 #: checkpoints per doubling of the elapsed time (geometric, ratio 2 ** (1 / 5) ≈ 1.15)
 CHECKPOINTS_PER_DOUBLING = 5
+
+
+def default_batch(name: str, N: int) -> int:
+    """Groups per step: a tenth of the groups (at least 100) for guides with free per-group parameters (each row then
+    takes a step every 10 steps, and a step's fixed cost is spread over more groups); the README's 100 (400 beyond
+    10^4) for the amortized guides, whose networks learn from every group's data."""
+    if name.startswith("amortized"):
+        return 100 if N <= 10_000 else 400
+    return max(100, N // 10)
 
 
 def checkpoint_times(budget: float) -> list[float]:
@@ -772,7 +781,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=True,
         help="SVI with JitTrace_ELBO (default; --no-jit: Trace_ELBO), the guide and AutoNormal alike",
     )
-    p.add_argument("--batch", type=int, default=None, help="groups per SVI step (default 100; 400 above 10^4)")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="groups per SVI step (default: max(100, N/10) for per-group guides and AutoNormal; 100, or 400\n"
+        "above 10^4 groups, for the amortized guides)",
+    )
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="run nothing: print the table and draw the plot of the runs in these --out files together",
+    )
     p.add_argument("--lr-final", type=float, default=0.1, help="the rate decays to lr × this over the budget")
     p.add_argument("--warmup", type=int, default=500, help="NUTS warm-up steps (default 500)")
     p.add_argument("--max-draws", type=int, default=20_000, help="NUTS draws at most")
@@ -807,6 +829,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         opts.nuts_seconds = opts.nuts_seconds or 60.0
         opts.reference_draws = min(opts.reference_draws, 2000)
     return opts
+
+
+def save(path: str, header: list[str], runs: list[Run], references: dict) -> None:
+    with open(path, "w") as f:
+        refs = [[p, n, text] for (p, n), text in references.items()]
+        json.dump({"header": header, "runs": [asdict(r) for r in runs], "references": refs}, f, indent=1)
 
 
 def machine() -> str:
@@ -850,6 +878,14 @@ def main(argv: list[str] | None = None) -> list[Run]:
         log(line)
     runs: list[Run] = []
     references: dict[tuple[str, int], str] = {}
+    if opts.merge:
+        for path in opts.merge:
+            with open(path) as f:
+                saved = json.load(f)
+            header += [f"merged from {path}:"] + [f"  {line}" for line in saved["header"]]
+            runs += [Run(**{**r, "curve": [tuple(c) for c in r["curve"]]}) for r in saved["runs"]]
+            references.update({(p, int(n)): text for p, n, text in saved.get("references", [])})
+        opts.problem = []
     for problem in opts.problem:
         for N in sorted(opts.sizes):
             t0 = time.perf_counter()
@@ -878,6 +914,8 @@ def main(argv: list[str] | None = None) -> list[Run]:
                 runs.extend(new)
             if data.reference_error:
                 references[(problem, N)] = f"{data.reference} (estimated max MC error {data.reference_error:.3f} sd)"
+            if opts.out:  # after every size, so that a long run keeps what it measured
+                save(opts.out, header, runs, references)
             del data
     extrapolate(runs, opts)
     print()
@@ -894,8 +932,7 @@ def main(argv: list[str] | None = None) -> list[Run]:
         plot(runs, opts.plot, opts)
         print(f"plot written to {opts.plot}")
     if opts.out:
-        with open(opts.out, "w") as f:
-            json.dump({"header": header, "runs": [asdict(r) for r in runs]}, f, indent=1)
+        save(opts.out, header, runs, references)
         print(f"results written to {opts.out}")
     return runs
 
