@@ -17,10 +17,11 @@ of their product), recorded on the parameter (:func:`element_dims`) for the opti
 
 Example::
 
-    loc = PyroParam(torch.zeros(N, 1, d), event_dim=1)       # full size
-    with pyro.plate("groups", N, subsample=idx, dim=-2) as ind:
-        ...
-    rows = select_elements(raw_loc, {-2: idx}, event_dim=1)   # (B, 1, d); gradient on B rows only
+    loc = torch.nn.Parameter(torch.zeros(N, 1, d))           # one row per group of a plate at dim -2
+    optimizer = pyro_hier.optim.LazyAdam([loc], lr=0.01)     # declares that it reads sparse gradients of loc
+    rows = select_elements(loc, {-2: idx}, event_dim=1)       # (B, 1, d): the rows of the plate's subsample idx
+    rows.pow(2).sum().backward()                              # loc.grad: sparse, B rows
+    optimizer.step()                                          # reads and writes those B rows only
 
 The parameter passed must be the leaf tensor itself (the unconstrained value of a ``PyroParam`` with constraint
 ``real``, or an ``nn.Parameter``): a gradient can be sparse only where nothing but the row selection lies between it
