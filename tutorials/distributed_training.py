@@ -56,6 +56,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -258,6 +259,19 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
         tdist.barrier()  # leave together: a rank tearing down gloo while another still talks can abort the other
     finally:
         tdist.destroy_process_group()
+    leave()
+
+
+def leave() -> None:
+    """End a rank's process without the interpreter's teardown.
+
+    Gloo's worker threads can outlive ``destroy_process_group`` and, when the interpreter finalizes under them,
+    abort the process ("terminate called without an active exception", SIGABRT) after all work is done; it
+    happened on a loaded 2-core CI machine. Everything is finished and flushed here, so the rank exits with 0.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def free_port() -> int:
@@ -275,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
             tdist.barrier()  # leave together (see worker)
         finally:
             tdist.destroy_process_group()
-        return
+        leave()
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(free_port())
     # fork where the OS has it (the workers inherit the imported modules instead of importing torch again), else spawn
