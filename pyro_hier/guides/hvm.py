@@ -64,6 +64,8 @@ __all__ = ["AutoHierarchicalVM", "HVMSiteDistribution", "ImplicitMixtureOfDiagNo
 _PRIORS = ("mixture", "flow")
 #: continuous sites: the share of q(z)'s initial variance in the spread of λ's location (the rest is q(z | λ)'s)
 _LOC_SPREAD_FRACTION = 0.5
+#: continuous sites: the initial spread of λ₂ (the log-sd of q(z | λ)) around its centre, in units of init_scale
+_LOGSCALE_SPREAD = 0.5
 #: the mixture prior's logits are this times their free parameters: Adam then moves the weights a fifth as fast as
 #: the components. At full speed the weights of a symmetric start drifted apart while the components separated, so
 #: q's median wandered up to 0.15 sd from a prior-only posterior's over the first 100 steps of Adam(0.02) (6 seeds);
@@ -606,7 +608,9 @@ class AutoHierarchicalVM(HierarchicalGuide):
             f = _LOC_SPREAD_FRACTION
             lam = torch.stack([u, torch.full_like(u, math.log(s * math.sqrt(1 - f)))], -1).reshape((*lead, -1))
             loc_sd = s * math.sqrt(f / 2) if self.prior == "mixture" and k > 1 else s * math.sqrt(f)
-            sd = torch.stack([torch.full_like(u, loc_sd), torch.full_like(u, s / 2)], -1).reshape((*lead, -1))
+            sd = torch.stack([torch.full_like(u, loc_sd), torch.full_like(u, s * _LOGSCALE_SPREAD)], -1).reshape(
+                (*lead, -1)
+            )
             offset_sd = s * math.sqrt(f / 2) * self._init_spread
             offset = torch.stack([torch.full_like(u, offset_sd), torch.zeros_like(u)], -1)
             offset = offset.reshape((*lead, 1, -1))
