@@ -1,38 +1,45 @@
-r"""The model's own prior conditional of a latent site, read as a Gaussian in unconstrained space, and its conjugate
-update by a Gaussian pseudo-observation: the conditional form of the branch guides.
+r"""The conjugate conditional of the branch guides: each group's prior conditional, as the model states it, updated by
+a Gaussian pseudo-observation.
 
-In a hierarchical model the posterior conditional of a group's effects given everything above them is the prior
+In a hierarchical model the posterior conditional of a group's latents given everything above them is their prior
 conditional times the group's likelihood, :math:`p(u_i \mid \theta, y) \propto p(u_i \mid \mathrm{pa}_i)\,
-p(y_i \mid u_i, \theta)`. When the prior conditional is Gaussian in the site's unconstrained space (``Normal`` with
-real support, ``LogNormal`` in log space, ``MultivariateNormal``) and the likelihood is replaced by a Gaussian
-*pseudo-observation* :math:`\mathcal N(t_i;\ u_i, \Lambda_i^{-1})`, the update is closed form:
+p(y_i \mid u_i, \theta)`. When the prior conditional is Gaussian in the site's unconstrained space (``Normal`` with real
+support, ``LogNormal`` in log space, ``MultivariateNormal``; :func:`gaussian_prior`) and the likelihood is replaced by a
+Gaussian *pseudo-observation* :math:`\mathcal N(t_i;\ u_i, \Lambda_i^{-1})`, the update is closed form:
 
 .. math::
 
     q(u_i \mid \mathrm{pa}_i) = \mathcal N(P_i^{-1}\eta_i,\ P_i^{-1}), \qquad
-    P_i = S_0^{-1} + \Lambda_i, \qquad \eta_i = S_0^{-1} m_0 + \Lambda_i t_i,
+    P_i = P_0 + \Lambda_i, \qquad \eta_i = P_0 m_0 + \Lambda_i t_i,
 
-with :math:`(m_0, S_0)` the prior conditional's mean and covariance. This contains the exact posterior conditional of
-Gaussian hierarchies (radon's county effects: :math:`\Lambda_i = n_i/\sigma^2`, :math:`t_i` the county's mean
-residual), and keeps the funnel: a group with little data has :math:`\Lambda_i \ll S_0^{-1}` and follows its prior's
-scale, a group with much data follows its own.
+with :math:`(m_0, P_0^{-1})` the prior conditional's mean and covariance *at the ancestors' sampled values*. The family
+contains the exact posterior conditional of Gaussian hierarchies (radon's county effects: :math:`\Lambda_i = n_i /
+\sigma^2`, :math:`t_i` the county's mean residual; eight schools: :math:`\Lambda_j = 1/\sigma_j^2`, :math:`t_j = y_j`)
+and keeps the funnel: a group with little data has :math:`\Lambda_i \ll P_0` and follows its prior's scale, a group
+with much data follows its own.
 
-**Parameterisation.** Optimising :math:`(t_i, \Lambda_i)` directly is badly conditioned for groups the prior
-dominates: an optimiser step in :math:`t_i` moves the conditional mean only by the data's weight
-:math:`w = \Lambda_i/(S_0^{-1} + \Lambda_i)` times the step. The free parameter is instead :math:`\bar M_i`, the
-conditional mean at a *reference* prior conditional :math:`(\bar m_0, \bar S_0)` (the prior at the globals' current
-variational mean, held fixed within a step), from which :math:`t_i = \bar m_0 + \Lambda_i^{-1}\bar P_i
-(\bar M_i - \bar m_0)`; substituted into :math:`\eta`,
+**Parameterisation** (:func:`conjugate_conditional`). Optimising :math:`(t_i, \Lambda_i)` directly is badly
+conditioned: an optimiser step in :math:`t_i` moves the conditional mean only by the data's weight
+:math:`\Lambda_i / (P_0 + \Lambda_i)` times the step, and :math:`\Lambda_i \propto 1/\sigma^2` must follow the
+observation scale across orders of magnitude while it is learnt. Both are expressed against a *reference* — the
+prior conditional :math:`(\bar m_0, \bar P_0)` and the curvature :math:`\bar F_i` of the rest of the model
+(:func:`element_curvature`) at the globals' variational mean and the groups' reference means, refreshed every few
+steps and held fixed in between:
 
 .. math::
 
-    \eta_i = S_0^{-1} m_0 + (\bar S_0^{-1} + \Lambda_i)\,\bar M_i - \bar S_0^{-1} \bar m_0
-             \;(+\ \Lambda_i B_i z),
+    \bar\Lambda_i = D_i L_i L_i^\top D_i,\quad D_i = \operatorname{diag}(\bar F_i)^{1/2}, \qquad
+    \Lambda_i(\theta) = E\,\bar\Lambda_i\,E,\quad E = \operatorname{diag}(e^{C_i z}), \\
+    t_i(\theta) = \bar m_0 + \bar\Lambda_i^{-1} (\bar P_0 + \bar\Lambda_i)(\bar M_i - \bar m_0) + B_i z,
 
-which needs no inverse of :math:`\Lambda_i`, gives :math:`q`'s mean :math:`\bar M_i` exactly at the reference and
-moves it one-for-one with :math:`\bar M_i` near it. (Treating the reference as fixed within a step drops from the
-gradient a term proportional to :math:`\partial\mathcal L/\partial t_i`, which vanishes at every optimum over the
-local parameters, so the fixed points are those of the exact gradient.)
+where :math:`z` are the globals' sampled values standardised by their variational mean and sd. The free parameters
+are :math:`\bar M_i` (the conditional mean at the reference: a step moves it one for one), :math:`L_i` (unit at the
+start, so the pseudo-observation starts with the likelihood's own Fisher information, Laplace-style, and only learns
+a correction) and, for ``covariance="dense"``, :math:`B_i, C_i` (how the pseudo-observation moves with the globals:
+radon's residuals move with the regression weights, its precision with the noise scale). The reference is a
+change of coordinates, not of family; holding it fixed within a step drops from the gradient a term proportional to
+:math:`\partial \mathcal L / \partial (t_i, \Lambda_i)`, which vanishes at every optimum over the group's parameters,
+so the fixed points are those of the exact gradient.
 """
 
 from __future__ import annotations
@@ -49,79 +56,96 @@ from torch.distributions import biject_to, constraints
 
 from pyro_hier.plates import PlateCall, PlateRecorder
 
-__all__ = ["GaussianPrior", "PriorCapture", "capture_priors", "gaussian_prior", "precision_to_scale_tril"]
+__all__ = [
+    "GaussianPrior",
+    "capture_priors",
+    "conjugate_conditional",
+    "element_curvature",
+    "gaussian_prior",
+    "precision_to_scale_tril",
+]
 
 
 @dataclass
 class GaussianPrior:
-    """A prior conditional in a site's unconstrained space: ``loc (..., d)`` and either ``scale (..., d)``
-    (independent coordinates) or ``scale_tril (..., d, d)``."""
+    """A prior conditional in a site's (or a level's) unconstrained space, one vector per batch element:
+    ``loc (..., d)`` and either the precision's diagonal ``precision (..., d)`` or the full ``precision (..., d, d)``.
+    """
 
     loc: torch.Tensor
-    scale: torch.Tensor | None = None
-    scale_tril: torch.Tensor | None = None
+    precision: torch.Tensor
 
     @property
     def diagonal(self) -> bool:
-        return self.scale_tril is None
+        return self.precision.dim() == self.loc.dim()
 
-    def precision(self) -> torch.Tensor:
-        """``S₀⁻¹``: ``(..., d)`` for a diagonal prior, else ``(..., d, d)``."""
-        if self.diagonal:
-            return self.scale.pow(-2)
-        eye = torch.eye(self.loc.shape[-1], dtype=self.loc.dtype, device=self.loc.device)
-        inv = torch.linalg.solve_triangular(self.scale_tril, eye.expand_as(self.scale_tril), upper=False)
-        return inv.mT @ inv
+    def full_precision(self) -> torch.Tensor:
+        return torch.diag_embed(self.precision) if self.diagonal else self.precision
+
+    @staticmethod
+    def concat(parts: list[GaussianPrior]) -> GaussianPrior:
+        """The block-diagonal prior of independent parts, concatenated along the last dim."""
+        batch = torch.broadcast_shapes(*(p.loc.shape[:-1] for p in parts))
+        locs = torch.cat([p.loc.expand(batch + p.loc.shape[-1:]) for p in parts], -1)
+        if all(p.diagonal for p in parts):
+            precs = torch.cat([p.precision.expand(batch + p.precision.shape[-1:]) for p in parts], -1)
+            return GaussianPrior(locs, precs)
+        return GaussianPrior(locs, _block_diag_batched([p.full_precision() for p in parts], batch))
 
 
-def _unwrap(fn) -> tuple[object, int]:
-    """The innermost distribution under Independent / Expanded / Masked wrappers, and the event dims the
-    ``Independent`` wrappers added."""
-    reinterpreted = 0
+def _block_diag_batched(blocks: list[torch.Tensor], batch: torch.Size) -> torch.Tensor:
+    d = sum(b.shape[-1] for b in blocks)
+    like = blocks[0]
+    out = like.new_zeros((*batch, d, d))
+    start = 0
+    for b in blocks:
+        k = b.shape[-1]
+        out[..., start : start + k, start : start + k] = b.expand((*batch, k, k))
+        start += k
+    return out
+
+
+def _base(fn):
     while isinstance(fn, dist.Independent | dist.ExpandedDistribution | dist.MaskedDistribution):
-        if isinstance(fn, dist.Independent):
-            reinterpreted += fn.reinterpreted_batch_ndims
         fn = fn.base_dist
-    return fn, reinterpreted
-
-
-def gaussian_prior(fn, support: constraints.Constraint) -> GaussianPrior | None:
-    """``fn`` as a Gaussian over the unconstrained value ``biject_to(support).inv(z)``, flattened to one vector per
-    element of the batch shape ``fn.batch_shape``: ``loc (*batch, d)``; ``None`` when it is not Gaussian there.
-
-    Recognised: ``Normal`` with real support, ``LogNormal`` (Gaussian in log space, which is what
-    ``biject_to(positive)`` maps to), ``MultivariateNormal``, each possibly expanded, masked or with batch dims
-    reinterpreted as events (``.to_event``)."""
-    base, _ = _unwrap(fn)
-    batch = fn.batch_shape
-    event = fn.event_shape
-    if isinstance(base, dist.LogNormal) and support is constraints.positive or (
-        isinstance(base, dist.LogNormal)
-        and isinstance(support, constraints.independent)
-        and support.base_constraint is constraints.positive
-    ):
-        loc, scale = base.loc, base.scale
-    elif type(base) is dist.Normal and _is_real(support):
-        loc, scale = base.loc, base.scale
-    elif type(base) is dist.MultivariateNormal and _is_real(support) and not event[:-1]:
-        loc = base.loc.expand(batch + event)
-        tril = base.scale_tril.expand(batch + event + event)
-        return GaussianPrior(loc, scale_tril=tril)
-    else:
-        return None
-    shape = batch + event
-    loc, scale = torch.broadcast_tensors(loc, scale)
-    loc = loc.expand(shape).reshape((*batch, -1))
-    scale = scale.expand(shape).reshape((*batch, -1))
-    return GaussianPrior(loc, scale=scale)
+    return fn
 
 
 def _is_real(support: constraints.Constraint) -> bool:
     while isinstance(support, constraints.independent):
         support = support.base_constraint
-    return support is constraints.real or isinstance(support, type(constraints.real_vector)) and (
-        support is constraints.real_vector
-    )
+    return support is constraints.real
+
+
+def _is_positive(support: constraints.Constraint) -> bool:
+    while isinstance(support, constraints.independent):
+        support = support.base_constraint
+    return support is constraints.positive
+
+
+def gaussian_prior(fn, support: constraints.Constraint) -> GaussianPrior | None:
+    """``fn`` as a Gaussian over the unconstrained value ``biject_to(support).inv(z)``, one vector per element of
+    ``fn.batch_shape`` (its event flattened): ``None`` when it is not Gaussian there.
+
+    Recognised: ``Normal`` with real support, ``LogNormal`` (Gaussian in log space, which is where
+    ``biject_to(positive)`` maps), ``MultivariateNormal``, each possibly expanded, masked, or with batch dims
+    reinterpreted as events (``.to_event``)."""
+    base = _base(fn)
+    batch, event = fn.batch_shape, fn.event_shape
+    if isinstance(base, torch.distributions.LogNormal) and _is_positive(support):
+        loc, scale = base.loc, base.scale
+    elif isinstance(base, torch.distributions.Normal) and _is_real(support):
+        loc, scale = base.loc, base.scale
+    elif isinstance(base, torch.distributions.MultivariateNormal) and _is_real(support) and len(event) == 1:
+        loc = base.loc.expand(batch + event)
+        precision = base.precision_matrix.expand(batch + event + event)
+        return GaussianPrior(loc, precision)
+    else:
+        return None
+    shape = batch + event
+    loc = loc.expand(shape).reshape((*batch, -1))
+    precision = scale.expand(shape).reshape((*batch, -1)).pow(-2)
+    return GaussianPrior(loc, precision)
 
 
 def precision_to_scale_tril(precision: torch.Tensor) -> torch.Tensor:
@@ -132,21 +156,15 @@ def precision_to_scale_tril(precision: torch.Tensor) -> torch.Tensor:
     return torch.linalg.solve_triangular(flipped.mT, eye, upper=True).flip(-2, -1)
 
 
-class _Captured(Exception):
+# ---- running the model ----------------------------------------------------------------------------------------------
+class _Reached(Exception):
     """Raised inside the model to stop it once every wanted prior conditional has been seen."""
 
 
-class PriorCapture(Messenger):
-    """Runs a model with some latent sites' values given and records the distributions (prior conditionals) of the
-    ``wanted`` sites, and the plates the model opens; stops the model after the last wanted site.
-
-    Latent sites not in ``values`` and not wanted take a value from their distribution only if they come before the
-    last wanted site and are needed by it (they are sampled, as in a plain model run)."""
-
-    def __init__(self, values: dict[str, torch.Tensor], wanted: Iterable[str]) -> None:
+class _PriorCapture(Messenger):
+    def __init__(self, values: dict[str, torch.Tensor], wanted: set[str]) -> None:
         super().__init__()
-        self.values = values
-        self.wanted = set(wanted)
+        self.values, self.wanted = values, wanted
         self.fns: dict[str, object] = {}
 
     def _pyro_sample(self, msg) -> None:
@@ -156,30 +174,128 @@ class PriorCapture(Messenger):
         if name in self.wanted:
             self.fns[name] = msg["fn"]
             if self.wanted <= self.fns.keys():
-                raise _Captured
+                raise _Reached
         if name in self.values:
-            msg["value"] = self.values[name]
-            msg["done"] = True
+            msg["value"], msg["done"] = self.values[name], True
 
 
 def capture_priors(
     model: Callable, args: tuple, kwargs: dict, values: dict[str, torch.Tensor], wanted: Iterable[str]
 ) -> tuple[dict[str, object], dict[str, PlateCall]]:
-    """Run ``model`` hidden from outer handlers with the latent ``values`` given, until every site in ``wanted`` has
-    been reached: returns ``({site: prior conditional}, {plate: PlateCall})``."""
-    capture = PriorCapture(values, wanted)
+    """Run ``model`` hidden from outer handlers, with the latent ``values`` given, until every site in ``wanted`` has
+    been reached (the model stops there): ``({site: its prior conditional}, {plate: PlateCall of this call})``.
+    Latent sites before them that are not in ``values`` are sampled from the model, as in a plain run."""
+    wanted = set(wanted)
+    capture = _PriorCapture(values, wanted)
     plates = PlateRecorder()
     try:
         with poutine.block(), plates, capture:
             model(*args, **kwargs)
-    except _Captured:
+    except _Reached:
         pass
-    missing = capture.wanted - capture.fns.keys()
+    missing = wanted - capture.fns.keys()
     if missing:
-        raise RuntimeError(f"internal error: the model did not reach the latent sites {sorted(missing)}")
+        raise RuntimeError(f"the model did not sample the latent site(s) {sorted(missing)} in this call")
     return capture.fns, plates.calls
 
 
-def unconstrained_dim(fn, support: constraints.Constraint) -> int:
+def element_curvature(
+    model: Callable,
+    args: tuple,
+    kwargs: dict,
+    values: dict[str, torch.Tensor],
+    level_u: torch.Tensor,
+    to_values: Callable[[torch.Tensor], dict[str, torch.Tensor]],
+    plate_scale: float,
+) -> torch.Tensor:
+    r"""The curvature of the rest of the model at each element of a level: the blocks
+    :math:`-\partial^2 \log p(\text{everything but the level's own prior}) / \partial u_i^2` at the level's
+    unconstrained element vectors ``level_u (..., d)``, with the other latent sites held at ``values``: ``(..., d, d)``.
+
+    ``to_values(u)`` maps element vectors to the level's sites' constrained values. Elements of a plate are
+    conditionally independent in a hierarchical model, so the Hessian is block diagonal across them and ``d``
+    Hessian-vector products (one per coordinate, all elements at once) give every block. Log densities are weighted by
+    each site's scale divided by ``plate_scale`` (the level's plates' subsampling factor): a group's own data count
+    once, and an observation plate subsampled on its own is scaled up to the whole.
+    """
+    with torch.enable_grad():
+        u = level_u.detach().clone().requires_grad_(True)
+        own = to_values(u)
+        with poutine.block():  # the trace inside the block: recorded here, hidden from the caller's handlers
+            trace = poutine.trace(poutine.condition(model, {**values, **own})).get_trace(*args, **kwargs)
+        total = u.new_zeros(())
+        for name, site in trace.nodes.items():
+            if site["type"] != "sample" or name in own or isinstance(site["fn"], _Subsample):
+                continue
+            log_p = site["fn"].log_prob(site["value"])
+            if site["mask"] is not None and site["mask"] is not True:
+                log_p = log_p * site["mask"]
+            total = total + (log_p * (site["scale"] / plate_scale)).sum()
+        (grad,) = torch.autograd.grad(total, u, create_graph=True)
+        d = u.shape[-1]
+        columns = []
+        for k in range(d):
+            probe = torch.zeros_like(u)
+            probe[..., k] = 1.0
+            (col,) = torch.autograd.grad(grad, u, grad_outputs=probe, retain_graph=k + 1 < d)
+            columns.append(-col)
+    return torch.stack(columns, -1).detach()
+
+
+# ---- the conditional ------------------------------------------------------------------------------------------------
+def conjugate_conditional(
+    prior: GaussianPrior,
+    ref_loc: torch.Tensor,
+    ref_precision: torch.Tensor,
+    fisher_sd: torch.Tensor,
+    mean: torch.Tensor,
+    factor: torch.Tensor,
+    shift: torch.Tensor | None = None,
+    log_stretch: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""``(loc, scale)`` of :math:`q(u \mid \mathrm{pa})` (module docstring), ``scale`` the sd ``(..., d)`` when
+    ``factor`` is a vector (independent coordinates) and the lower Cholesky factor of the covariance ``(..., d, d)``
+    when it is a matrix.
+
+    :param prior: the prior conditional at the ancestors' sampled values.
+    :param ref_loc, ref_precision: the reference prior conditional :math:`(\bar m_0, \bar P_0)` (``ref_precision``
+        diagonal ``(..., d)`` or full ``(..., d, d)``).
+    :param fisher_sd: :math:`\operatorname{diag}(\bar F)^{1/2}` at the reference, ``(..., d)``.
+    :param mean: :math:`\bar M`, the conditional mean at the reference.
+    :param factor: :math:`L` (``(..., d, d)``, lower triangular with a positive diagonal) or its diagonal ``(..., d)``.
+    :param shift: :math:`B z` (``(..., d)``) or ``None``.
+    :param log_stretch: :math:`C z` (``(..., d)``) or ``None``.
+    """
+    if factor.dim() == mean.dim():  # independent coordinates: everything elementwise
+        lam_ref = (fisher_sd * factor).pow(2)
+        p_ref = ref_precision if ref_precision.dim() == mean.dim() else ref_precision.diagonal(dim1=-2, dim2=-1)
+        stretch = 1.0 if log_stretch is None else (2 * log_stretch).exp()
+        lam = lam_ref * stretch
+        p0 = prior.precision if prior.diagonal else prior.precision.diagonal(dim1=-2, dim2=-1)
+        eta = p0 * prior.loc + lam * ref_loc + stretch * (p_ref + lam_ref) * (mean - ref_loc)
+        if shift is not None:
+            eta = eta + lam * shift
+        precision = p0 + lam
+        return eta / precision, precision.rsqrt()
+    root = fisher_sd.unsqueeze(-1) * factor  # D L: Λ̄ = (D L)(D L)ᵀ
+    lam_ref = root @ root.mT
+    p_ref = ref_precision if ref_precision.dim() > mean.dim() else torch.diag_embed(ref_precision)
+    delta = ((p_ref + lam_ref) @ (mean - ref_loc).unsqueeze(-1)).squeeze(-1)
+    t_ref = ref_loc + torch.cholesky_solve(delta.unsqueeze(-1), root).squeeze(-1)
+    if log_stretch is not None:
+        e = log_stretch.exp()
+        lam = e.unsqueeze(-1) * lam_ref * e.unsqueeze(-2)
+    else:
+        lam = lam_ref
+    target = t_ref if shift is None else t_ref + shift
+    p0 = prior.full_precision()
+    precision = p0 + lam
+    eta = (p0 @ prior.loc.unsqueeze(-1) + lam @ target.unsqueeze(-1)).squeeze(-1)
+    chol = torch.linalg.cholesky(precision)
+    loc = torch.cholesky_solve(eta.unsqueeze(-1), chol).squeeze(-1)
+    return loc, precision_to_scale_tril(precision)
+
+
+def unconstrained_numel(fn, support: constraints.Constraint) -> int:
     """Numbers per batch element of ``fn``'s value in unconstrained space."""
     return biject_to(support).inv.forward_shape(fn.event_shape).numel()

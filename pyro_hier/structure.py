@@ -318,7 +318,8 @@ class ModelStructure:
         from pyro.infer.inspect import get_dependencies
 
         try:
-            return get_dependencies(self.model, self.args, self.kwargs)
+            with poutine.block():  # hidden from the handlers of the call that inspects the model (a guide's trace)
+                return get_dependencies(self.model, self.args, self.kwargs)
         except Exception as e:  # provenance tracking can fail on exotic tensor ops
             raise StructureError(
                 f"could not trace the dependencies between sites of the model ({type(e).__name__}: {e}). "

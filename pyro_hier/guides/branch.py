@@ -13,9 +13,11 @@ from pyro.infer.autoguide.initialization import init_to_feasible
 from pyro.nn import PyroModule, PyroParam
 from torch.distributions import constraints
 
+from pyro_hier.conjugate import GaussianPrior, capture_priors, conjugate_conditional, element_curvature, gaussian_prior
 from pyro_hier.distributions import StickingTheLanding
 from pyro_hier.gather_maps import CallGathers, GatherMaps, full_call_gathers
 from pyro_hier.guides.base import HierarchicalGuide
+from pyro_hier.optim import TailAverage
 from pyro_hier.plates import PlateCall, element_selection, enter_plates
 from pyro_hier.sparse import select_elements
 from pyro_hier.structure import ModelStructure, PlateLevel
@@ -24,6 +26,11 @@ from pyro_hier.transforms import positive, positive_inv, raw_from_scale_tril, sc
 __all__ = ["AutoBranchGuide"]
 
 _COVARIANCES = ("dense", "block", "diagonal")
+_CONDITIONALS = ("conjugate", "linear")
+#: training calls after which a conjugate level's reference (prior and curvature at the variational mean) is redone
+REFERENCE_EVERY = 10
+#: fraction of the training steps so far that the globals' tail average remembers
+TAIL_FRACTION = 0.25
 
 
 class AutoBranchGuide(HierarchicalGuide):
@@ -91,18 +98,22 @@ class AutoBranchGuide(HierarchicalGuide):
         model: Callable,
         *,
         covariance: str = "dense",
+        conditional: str = "conjugate",
         init_loc_fn: Callable = init_to_feasible,
         init_scale: float = 0.1,
         create_plates: Callable | None = None,
-        stick_the_landing: bool = False,
+        stick_the_landing: bool | None = None,
     ) -> None:
         if covariance not in _COVARIANCES:
             raise ValueError(f"covariance must be one of {_COVARIANCES}, got {covariance!r}")
+        if conditional not in _CONDITIONALS:
+            raise ValueError(f"conditional must be one of {_CONDITIONALS}, got {conditional!r}")
         if not (isinstance(init_scale, int | float) and init_scale > 0 and math.isfinite(init_scale)):
             raise ValueError(f"init_scale must be a positive number, got {init_scale!r}")
-        if not isinstance(stick_the_landing, bool):
-            raise ValueError(f"stick_the_landing must be True or False, got {stick_the_landing!r}")
+        if stick_the_landing is not None and not isinstance(stick_the_landing, bool):
+            raise ValueError(f"stick_the_landing must be None, True or False, got {stick_the_landing!r}")
         self.covariance = covariance
+        self.conditional_form = conditional
         self.stick_the_landing = stick_the_landing
         self._init_scale = float(init_scale)
         super().__init__(model, init_loc_fn=init_loc_fn, create_plates=create_plates)
@@ -119,12 +130,23 @@ class AutoBranchGuide(HierarchicalGuide):
             for site, plate in needed:
                 self._gather_maps.require(site, plate)
         self._gathers: CallGathers | None = None  # during a call (or a summary): where gathered ancestors are
+        self._global_level = next((level for level in self.levels if not level.plates), None)
+        self.conjugate_levels: tuple[str, ...] = tuple(
+            level.name for level in self.levels if self._may_be_conjugate(level, structure)
+        )
         self.locs = PyroModule()
         self.weights = PyroModule()
+        self.stretches = PyroModule()  # conjugate levels, dense: how the pseudo-observation's precision moves
         self.scale_trils = PyroModule()
         self.scales = PyroModule()
+        self.references = PyroModule()  # conjugate levels: reference prior and curvature (buffers, full size)
+        self._tail: TailAverage | None = None
+        self._calls = 0
         for level in self.levels:
-            self._setup_level(level, self._init_level(level))
+            if level.name in self.conjugate_levels:
+                self._setup_conjugate_level(level, self._init_level(level))
+            else:
+                self._setup_level(level, self._init_level(level))
 
     def _setup_level(self, level: PlateLevel, init: torch.Tensor) -> None:
         """Create the free parameters of one level from its initial element vectors ``init``."""
@@ -142,6 +164,179 @@ class AutoBranchGuide(HierarchicalGuide):
             d_anc = self._ancestor_numel(level)
             weight = init.new_zeros((*level.batch_shape, d, d_anc))
             setattr(self.weights, level.name, PyroParam(weight, constraints.real, event_dim=2))
+
+    def _may_be_conjugate(self, level: PlateLevel, structure: ModelStructure) -> bool:
+        """Whether a level gets the conjugate conditional: a plated level whose sites' prior conditionals are Gaussian
+        in unconstrained space (:func:`~pyro_hier.conjugate.gaussian_prior`) and depend on no other site of the level
+        nor on a latent the guide does not sample (an enumerated one). A hook: the amortized guide keeps its own
+        forms."""
+        if self.conditional_form != "conjugate" or not level.plates:
+            return False
+        sampled = set(self.guide_sites)
+        for name in level.sites:
+            site = structure.latent[name]
+            if gaussian_prior(site.fn, site.support) is None:
+                return False
+            parents = set(structure.parents.get(name, ()))
+            if parents & set(level.sites) or parents - sampled:
+                return False
+        return True
+
+    def _setup_conjugate_level(self, level: PlateLevel, init: torch.Tensor) -> None:
+        """Parameters and reference buffers of a conjugate level (see :mod:`pyro_hier.conjugate`): the conditional mean
+        at the reference ``locs``, the pseudo-observation's relative factor (``scales``: log of its diagonal, or
+        ``scale_trils``: its raw Cholesky factor, both 1 at the start), and for ``covariance="dense"`` the
+        dependences on the globals ``weights`` (shift) and ``stretches`` (log precision)."""
+        d = level.numel
+        setattr(self.locs, level.name, PyroParam(init, constraints.real, event_dim=1))
+        if self._conjugate_diagonal(level):
+            setattr(self.scales, level.name, PyroParam(torch.zeros_like(init), constraints.real, event_dim=1))
+        else:
+            raw = init.new_zeros((*level.batch_shape, d, d))
+            setattr(self.scale_trils, level.name, PyroParam(raw, constraints.real, event_dim=2))
+        d_g = self._global_level.numel if self._global_level is not None else 0
+        if self.covariance == "dense" and d_g:
+            for params in (self.weights, self.stretches):
+                setattr(params, level.name, PyroParam(init.new_zeros((*level.batch_shape, d, d_g)), event_dim=2))
+        buffers = {
+            "loc": init.new_zeros((*level.batch_shape, d)),
+            "precision": init.new_ones((*level.batch_shape, d) if self._conjugate_diagonal(level) else (d,)),
+            "fisher_sd": init.new_ones((*level.batch_shape, d)),
+            "call": torch.full(tuple(level.batch_shape), -1, dtype=torch.long, device=init.device),
+        }
+        if not self._conjugate_diagonal(level):
+            buffers["precision"] = init.new_zeros((*level.batch_shape, d, d))
+        for key, value in buffers.items():
+            self.references.register_buffer(f"{level.name}__{key}", value)
+
+    def _conjugate_diagonal(self, level: PlateLevel) -> bool:
+        return self._is_diagonal(level) or level.numel == 1
+
+    def _reference(self, level: PlateLevel, key: str, plates: dict | None, event_dim: int) -> torch.Tensor:
+        value = getattr(self.references, f"{level.name}__{key}")
+        if plates is None:
+            return value
+        return select_elements(value, element_selection(plates, level.plates, level.dims), event_dim)
+
+    def _write_reference(self, level: PlateLevel, key: str, plates: dict, value: torch.Tensor, event_dim: int) -> None:
+        """Write ``value`` (the call's elements) into the full-size reference buffer at the call's elements."""
+        buffer = getattr(self.references, f"{level.name}__{key}")
+        index = _element_index(buffer, element_selection(plates, level.plates, level.dims), event_dim)
+        buffer[index] = value.to(buffer.dtype).expand(buffer[index].shape)
+
+    def _training(self) -> bool:
+        return torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
+
+    @torch.no_grad()
+    def _refresh_references(self, args: tuple, kwargs: dict, plates: dict) -> None:
+        """Redo the reference of the conjugate levels' elements of this call that have none yet, or one older than
+        :data:`REFERENCE_EVERY` training calls: the prior conditionals and the curvature of the rest of the model at
+        the globals' variational mean and every level's reference mean (:mod:`pyro_hier.conjugate`)."""
+        stale = []
+        for name in self.conjugate_levels:
+            level = self._levels[name]
+            last = self._reference(level, "call", plates, 0)
+            if bool((last < 0).any()) or (self._training() and int(last.min()) <= self._calls - REFERENCE_EVERY):
+                stale.append(level)
+        if not stale:
+            return
+        assert self.structure is not None
+        values: dict[str, torch.Tensor] = {}
+        centres: dict[str, torch.Tensor] = {}
+        for level in self.levels:
+            centre = self._element_param(self.locs, level, plates, 1).detach()
+            if level is self._global_level and self._use_average():
+                centre = self._tail.values["loc"]
+            centres[level.name] = centre
+            for site in level.sites:
+                values[site] = self._constrain(site, self._site_unconstrained(level, site, centre, broadcast=False))
+        fns, _ = capture_priors(self.model, args, kwargs, values, [s for lv in stale for s in lv.sites])
+        for level in stale:
+            prior = self._level_prior(level, fns)
+            diagonal = self._conjugate_diagonal(level)
+            scale = math.prod(self.structure.plates[p].size for p in level.plates) / max(
+                1, math.prod(_subsample_size(plates[p]) for p in level.plates)
+            )
+
+            def to_values(u: torch.Tensor, level: PlateLevel = level) -> dict[str, torch.Tensor]:
+                return {
+                    site: self._constrain(site, self._site_unconstrained(level, site, u, broadcast=False))
+                    for site in level.sites
+                }
+
+            curvature = element_curvature(self.model, args, kwargs, values, centres[level.name], to_values, scale)
+            p0 = prior.precision if prior.diagonal else prior.precision.diagonal(dim1=-2, dim2=-1)
+            info = curvature.diagonal(dim1=-2, dim2=-1).clamp(min=1e-6 * p0)
+            self._write_reference(level, "loc", plates, prior.loc, 1)
+            if diagonal:
+                self._write_reference(level, "precision", plates, p0, 1)
+            else:
+                self._write_reference(level, "precision", plates, prior.full_precision(), 2)
+            self._write_reference(level, "fisher_sd", plates, info.sqrt(), 1)
+            self._write_reference(level, "call", plates, torch.full(prior.loc.shape[:-1], self._calls), 0)
+
+    def _level_prior(self, level: PlateLevel, fns: dict) -> GaussianPrior:
+        assert self.structure is not None
+        parts = []
+        for name in level.sites:
+            site = self.structure.latent[name]
+            prior = gaussian_prior(fns[name], site.support)
+            if prior is None:
+                raise RuntimeError(
+                    f"site '{name}' had a Gaussian prior conditional when the guide was built but has "
+                    f"{type(fns[name]).__name__} in this call; build the guide with conditional='linear'"
+                )
+            parts.append(prior)
+        return parts[0] if len(parts) == 1 else GaussianPrior.concat(parts)
+
+    def _conjugate_distribution(
+        self,
+        level: PlateLevel,
+        prior: GaussianPrior,
+        values: dict[str, torch.Tensor],
+        plates: dict[str, pyro.plate],
+    ) -> dist.TorchDistribution:
+        """q of a conjugate level's elements on this call: the prior conditional at the ancestors' draws ``prior``
+        updated by the pseudo-observation (:func:`~pyro_hier.conjugate.conjugate_conditional`)."""
+        diagonal = self._conjugate_diagonal(level)
+        refs = (
+            self._reference(level, "loc", plates, 1),
+            self._reference(level, "precision", plates, 1 if diagonal else 2),
+            self._reference(level, "fisher_sd", plates, 1),
+        )
+        mean = self._element_param(self.locs, level, plates, 1)
+        if diagonal:
+            factor = positive(self._element_param(self.scales, level, plates, 1))
+        else:
+            factor = scale_tril_from_raw(self._element_param(self.scale_trils, level, plates, 2))
+        shift_w = stretch_w = z = None
+        if hasattr(self.weights, level.name) and level.name in self.conjugate_levels and self._global_level is not None:
+            shift_w = self._element_param(self.weights, level, plates, 2)
+            stretch_w = self._element_param(self.stretches, level, plates, 2)
+            z = self._standardised_globals(values[self._global_level.name])
+
+        def build(mean, factor, shift_w=None, stretch_w=None):
+            shift = stretch = None
+            if shift_w is not None:
+                shift = (shift_w @ z.unsqueeze(-1)).squeeze(-1)
+                stretch = (stretch_w @ z.unsqueeze(-1)).squeeze(-1)
+            loc, scale = conjugate_conditional(prior, *refs, mean, factor, shift, stretch)
+            if diagonal:
+                return dist.Normal(loc, scale).to_event(1)
+            return dist.MultivariateNormal(loc, scale_tril=scale)
+
+        q = build(mean, factor, shift_w, stretch_w)
+        if self.stick_the_landing is False:
+            return q
+        detached = [None if t is None else t.detach() for t in (mean, factor, shift_w, stretch_w)]
+        return StickingTheLanding(q, build(*detached))
+
+    def _standardised_globals(self, u: torch.Tensor) -> torch.Tensor:
+        """The globals' draw ``u (..., d_g)`` as ``(u - mean) / sd`` under the current q (held fixed)."""
+        assert self._global_level is not None
+        loc, _, scale = self._level_params(self._global_level, None)
+        sd = self._row_scale(self._global_level, scale)
+        return (u - loc.detach()) / sd.detach()
 
     def _gathered_data(self, structure: ModelStructure) -> list[tuple[str, str]]:
         """``(site, plate)`` pairs whose gathers the guide reads besides its levels' links (a hook: the amortized
@@ -239,10 +434,14 @@ class AutoBranchGuide(HierarchicalGuide):
         sds for ``"diagonal"``), with off-diagonals relative to the rows' scales (see
         :func:`~pyro_hier.transforms.scale_tril_from_raw`). :meth:`conditional` gives the paper's form."""
         loc = self._element_param(self.locs, level, plates, 1)
+        diagonal = self._is_diagonal(level)
+        raw = self._element_param(self.scales if diagonal else self.scale_trils, level, plates, 1 if diagonal else 2)
+        if level is self._global_level and self._use_average():
+            loc, raw = self._tail.values["loc"], self._tail.values["scale"]
         if self._is_diagonal(level):
-            scale = positive(self._element_param(self.scales, level, plates, 1))
+            scale = positive(raw)
         else:
-            scale = scale_tril_from_raw(self._element_param(self.scale_trils, level, plates, 2))
+            scale = scale_tril_from_raw(raw)
         weight = None
         if self._is_conditional(level):
             weight = self._row_scale(level, scale).unsqueeze(-1) * self._element_param(self.weights, level, plates, 2)
@@ -322,9 +521,18 @@ class AutoBranchGuide(HierarchicalGuide):
         outer = self._gathers
         if self._gathers is None:  # (the amortized guide has found this call's already)
             self._gathers = self._call_gathers(args, kwargs, plates)
+        if self._training():
+            self._calls += 1
+            self._attach_tail_average()
+        if self.conjugate_levels:
+            self._refresh_references(args, kwargs, plates)
         try:
             for level in self.levels:
-                q = self._level_distribution(level, values, plates)  # parameters read (and cut) outside the plates
+                if level.name in self.conjugate_levels:  # the prior conditional at the ancestors' draws, from the model
+                    fns, _ = capture_priors(self.model, args, kwargs, dict(result), level.sites)
+                    q = self._conjugate_distribution(level, self._level_prior(level, fns), values, plates)
+                else:
+                    q = self._level_distribution(level, values, plates)  # parameters read (and cut) outside the plates
                 with ExitStack() as stack:
                     enter_plates(stack, plates, level.plates)
                     u = pyro.sample(f"_{self._pyro_name}_{level.name}_unconstrained", q, infer={"is_auxiliary": True})
@@ -334,6 +542,28 @@ class AutoBranchGuide(HierarchicalGuide):
         finally:
             self._gathers = outer
         return result
+
+    # ---- the globals' tail average ------------------------------------------------------------------------------
+    def _global_leaves(self) -> dict[str, torch.Tensor]:
+        assert self._global_level is not None
+        name = self._global_level.name
+        raw = self.scales if self._is_diagonal(self._global_level) else self.scale_trils
+        return {"loc": getattr(self.locs, name), "scale": getattr(raw, name)}
+
+    def _attach_tail_average(self) -> None:
+        """Install (once, and again after unpickling) the tail average of the global level's parameters."""
+        if self._global_level is None:
+            return
+        leaves = self._global_leaves()
+        if self._tail is None:
+            self._tail = TailAverage(leaves, fraction=TAIL_FRACTION)
+        else:
+            self._tail.attach(leaves)
+
+    def _use_average(self) -> bool:
+        """Outside training (``Predictive``, ``median``, ``quantiles``, any call without gradients) the global level
+        uses the tail average of its parameters instead of the last iterate."""
+        return self._tail is not None and sum(self._tail.counts.values()) > 0 and not torch.is_grad_enabled()
 
     # ---- summaries ----------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -412,3 +642,20 @@ def _concat_broadcast(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Concatenate along the last dim after broadcasting all leading dims."""
     batch = torch.broadcast_shapes(*(t.shape[:-1] for t in tensors))
     return torch.cat([t.expand(batch + t.shape[-1:]) for t in tensors], dim=-1)
+
+
+def _subsample_size(plate: pyro.plate | PlateCall) -> int:
+    return plate.subsample_size
+
+
+def _element_index(buffer: torch.Tensor, selection: dict, event_dim: int) -> tuple:
+    """An index into a full-size per-element ``buffer`` selecting the elements of ``selection`` (every combination
+    when several plates are subsampled), for assignment."""
+    batch = buffer.dim() - event_dim
+    index: list = [slice(None)] * batch
+    tensors = [(batch + dim, ix) for dim, ix in selection.items() if ix is not None and buffer.shape[batch + dim] > 1]
+    for k, (pos, ix) in enumerate(tensors):
+        shape = [1] * len(tensors)
+        shape[k] = -1
+        index[pos] = ix.to(buffer.device).reshape(shape) if len(tensors) > 1 else ix.to(buffer.device)
+    return tuple(index)
