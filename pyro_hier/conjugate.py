@@ -161,13 +161,26 @@ class _Reached(Exception):
     """Raised inside the model to stop it once every wanted prior conditional has been seen."""
 
 
-class _PriorCapture(Messenger):
-    def __init__(self, values: dict[str, torch.Tensor], wanted: set[str]) -> None:
+class _PlateReplay(Messenger):
+    """Gives the plates the model subsamples at random (``subsample_size=``) the indices of ``subsamples``."""
+
+    def __init__(self, subsamples: dict[str, torch.Tensor]) -> None:
         super().__init__()
+        self.subsamples = subsamples
+
+    def _pyro_sample(self, msg) -> None:
+        if isinstance(msg["fn"], _Subsample) and msg["value"] is None and msg["name"] in self.subsamples:
+            msg["value"], msg["done"] = self.subsamples[msg["name"]], True
+
+
+class _PriorCapture(_PlateReplay):
+    def __init__(self, values: dict[str, torch.Tensor], wanted: set[str], subsamples: dict) -> None:
+        super().__init__(subsamples)
         self.values, self.wanted = values, wanted
         self.fns: dict[str, object] = {}
 
     def _pyro_sample(self, msg) -> None:
+        super()._pyro_sample(msg)
         if isinstance(msg["fn"], _Subsample) or msg["is_observed"]:
             return
         name = msg["name"]
@@ -180,13 +193,19 @@ class _PriorCapture(Messenger):
 
 
 def capture_priors(
-    model: Callable, args: tuple, kwargs: dict, values: dict[str, torch.Tensor], wanted: Iterable[str]
+    model: Callable,
+    args: tuple,
+    kwargs: dict,
+    values: dict[str, torch.Tensor],
+    wanted: Iterable[str],
+    subsamples: dict[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, object], dict[str, PlateCall]]:
     """Run ``model`` hidden from outer handlers, with the latent ``values`` given, until every site in ``wanted`` has
     been reached (the model stops there): ``({site: its prior conditional}, {plate: PlateCall of this call})``.
-    Latent sites before them that are not in ``values`` are sampled from the model, as in a plain run."""
+    Latent sites before them that are not in ``values`` are sampled from the model, as in a plain run; plates the
+    model subsamples at random take the indices in ``subsamples`` (those of the guide's call)."""
     wanted = set(wanted)
-    capture = _PriorCapture(values, wanted)
+    capture = _PriorCapture(values, wanted, subsamples or {})
     plates = PlateRecorder()
     try:
         with poutine.block(), plates, capture:
@@ -207,6 +226,7 @@ def element_curvature(
     level_u: torch.Tensor,
     to_values: Callable[[torch.Tensor], dict[str, torch.Tensor]],
     plate_scale: float,
+    subsamples: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     r"""The curvature of the rest of the model at each element of a level: the blocks
     :math:`-\partial^2 \log p(\text{everything but the level's own prior}) / \partial u_i^2` at the level's
@@ -221,7 +241,7 @@ def element_curvature(
     with torch.enable_grad():
         u = level_u.detach().clone().requires_grad_(True)
         own = to_values(u)
-        with poutine.block():  # the trace inside the block: recorded here, hidden from the caller's handlers
+        with poutine.block(), _PlateReplay(subsamples or {}):  # recorded here, hidden from the caller's handlers
             trace = poutine.trace(poutine.condition(model, {**values, **own})).get_trace(*args, **kwargs)
         total = u.new_zeros(())
         for name, site in trace.nodes.items():
@@ -260,7 +280,8 @@ def conjugate_conditional(
     :param prior: the prior conditional at the ancestors' sampled values.
     :param ref_loc, ref_precision: the reference prior conditional :math:`(\bar m_0, \bar P_0)` (``ref_precision``
         diagonal ``(..., d)`` or full ``(..., d, d)``).
-    :param fisher_sd: :math:`\operatorname{diag}(\bar F)^{1/2}` at the reference, ``(..., d)``.
+    :param fisher_sd: the reference curvature's root: :math:`\operatorname{diag}(\bar F)^{1/2}` ``(..., d)`` for
+        independent coordinates, or its lower Cholesky factor ``(..., d, d)``.
     :param mean: :math:`\bar M`, the conditional mean at the reference.
     :param factor: :math:`L` (``(..., d, d)``, lower triangular with a positive diagonal) or its diagonal ``(..., d)``.
     :param shift: :math:`B z` (``(..., d)``) or ``None``.
@@ -277,7 +298,8 @@ def conjugate_conditional(
             eta = eta + lam * shift
         precision = p0 + lam
         return eta / precision, precision.rsqrt()
-    root = fisher_sd.unsqueeze(-1) * factor  # D L: Λ̄ = (D L)(D L)ᵀ
+    # R L with R the reference curvature's Cholesky factor (its sds when only those are kept): Λ̄ = R L LᵀRᵀ
+    root = fisher_sd.unsqueeze(-1) * factor if fisher_sd.dim() == mean.dim() else fisher_sd @ factor
     lam_ref = root @ root.mT
     p_ref = ref_precision if ref_precision.dim() > mean.dim() else torch.diag_embed(ref_precision)
     delta = ((p_ref + lam_ref) @ (mean - ref_loc).unsqueeze(-1)).squeeze(-1)

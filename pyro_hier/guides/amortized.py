@@ -287,6 +287,9 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             assert self._gather_maps is not None
             self._observed_rows = ObservedRows(self._gather_maps, keyed)
 
+    def _may_be_conjugate(self, level: PlateLevel, structure: ModelStructure) -> bool:
+        return level.name not in self.amortized_levels and super()._may_be_conjugate(level, structure)
+
     def extra_repr(self) -> str:
         if self.structure is None:
             return "not set up"

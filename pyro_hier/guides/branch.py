@@ -11,11 +11,11 @@ import pyro.distributions as dist
 import torch
 from pyro.infer.autoguide.initialization import init_to_feasible
 from pyro.nn import PyroModule, PyroParam
-from torch.distributions import constraints
+from torch.distributions import biject_to, constraints
 
 from pyro_hier.conjugate import GaussianPrior, capture_priors, conjugate_conditional, element_curvature, gaussian_prior
 from pyro_hier.distributions import StickingTheLanding
-from pyro_hier.gather_maps import CallGathers, GatherMaps, full_call_gathers
+from pyro_hier.gather_maps import CallGathers, GatherMaps, full_call_gathers, full_data_call
 from pyro_hier.guides.base import HierarchicalGuide
 from pyro_hier.optim import TailAverage
 from pyro_hier.plates import PlateCall, element_selection, enter_plates
@@ -141,7 +141,7 @@ class AutoBranchGuide(HierarchicalGuide):
         self.scales = PyroModule()
         self.references = PyroModule()  # conjugate levels: reference prior and curvature (buffers, full size)
         self._tail: TailAverage | None = None
-        self._calls = 0
+        self._training_calls = 0
         for level in self.levels:
             if level.name in self.conjugate_levels:
                 self._setup_conjugate_level(level, self._init_level(level))
@@ -206,6 +206,8 @@ class AutoBranchGuide(HierarchicalGuide):
         }
         if not self._conjugate_diagonal(level):
             buffers["precision"] = init.new_zeros((*level.batch_shape, d, d))
+            buffers["fisher_sd"] = torch.eye(d, dtype=init.dtype, device=init.device).expand((*level.batch_shape, d, d))
+            buffers["fisher_sd"] = buffers["fisher_sd"].clone()
         for key, value in buffers.items():
             self.references.register_buffer(f"{level.name}__{key}", value)
 
@@ -228,7 +230,7 @@ class AutoBranchGuide(HierarchicalGuide):
         return torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
 
     @torch.no_grad()
-    def _refresh_references(self, args: tuple, kwargs: dict, plates: dict) -> None:
+    def _refresh_references(self, args: tuple, kwargs: dict, plates: dict, training: bool) -> None:
         """Redo the reference of the conjugate levels' elements of this call that have none yet, or one older than
         :data:`REFERENCE_EVERY` training calls: the prior conditionals and the curvature of the rest of the model at
         the globals' variational mean and every level's reference mean (:mod:`pyro_hier.conjugate`)."""
@@ -236,7 +238,7 @@ class AutoBranchGuide(HierarchicalGuide):
         for name in self.conjugate_levels:
             level = self._levels[name]
             last = self._reference(level, "call", plates, 0)
-            if bool((last < 0).any()) or (self._training() and int(last.min()) <= self._calls - REFERENCE_EVERY):
+            if bool((last < 0).any()) or (training and int(last.min()) <= self._training_calls - REFERENCE_EVERY):
                 stale.append(level)
         if not stale:
             return
@@ -250,7 +252,8 @@ class AutoBranchGuide(HierarchicalGuide):
             centres[level.name] = centre
             for site in level.sites:
                 values[site] = self._constrain(site, self._site_unconstrained(level, site, centre, broadcast=False))
-        fns, _ = capture_priors(self.model, args, kwargs, values, [s for lv in stale for s in lv.sites])
+        subsamples = _indices(plates)
+        fns, _ = capture_priors(self.model, args, kwargs, values, [s for lv in stale for s in lv.sites], subsamples)
         for level in stale:
             prior = self._level_prior(level, fns)
             diagonal = self._conjugate_diagonal(level)
@@ -264,16 +267,19 @@ class AutoBranchGuide(HierarchicalGuide):
                     for site in level.sites
                 }
 
-            curvature = element_curvature(self.model, args, kwargs, values, centres[level.name], to_values, scale)
+            curvature = element_curvature(
+                self.model, args, kwargs, values, centres[level.name], to_values, scale, subsamples
+            )
             p0 = prior.precision if prior.diagonal else prior.precision.diagonal(dim1=-2, dim2=-1)
-            info = curvature.diagonal(dim1=-2, dim2=-1).clamp(min=1e-6 * p0)
             self._write_reference(level, "loc", plates, prior.loc, 1)
             if diagonal:
+                info = curvature.diagonal(dim1=-2, dim2=-1).clamp(min=1e-6 * p0)
                 self._write_reference(level, "precision", plates, p0, 1)
+                self._write_reference(level, "fisher_sd", plates, info.sqrt(), 1)
             else:
                 self._write_reference(level, "precision", plates, prior.full_precision(), 2)
-            self._write_reference(level, "fisher_sd", plates, info.sqrt(), 1)
-            self._write_reference(level, "call", plates, torch.full(prior.loc.shape[:-1], self._calls), 0)
+                self._write_reference(level, "fisher_sd", plates, _psd_root(curvature, 1e-6 * p0), 2)
+            self._write_reference(level, "call", plates, torch.full(prior.loc.shape[:-1], self._training_calls), 0)
 
     def _level_prior(self, level: PlateLevel, fns: dict) -> GaussianPrior:
         assert self.structure is not None
@@ -302,20 +308,20 @@ class AutoBranchGuide(HierarchicalGuide):
         refs = (
             self._reference(level, "loc", plates, 1),
             self._reference(level, "precision", plates, 1 if diagonal else 2),
-            self._reference(level, "fisher_sd", plates, 1),
+            self._reference(level, "fisher_sd", plates, 1 if diagonal else 2),
         )
         mean = self._element_param(self.locs, level, plates, 1)
         if diagonal:
             factor = positive(self._element_param(self.scales, level, plates, 1))
         else:
             factor = scale_tril_from_raw(self._element_param(self.scale_trils, level, plates, 2))
-        shift_w = stretch_w = z = None
+        shift_w = stretch_w = z = z_fixed = None
         if hasattr(self.weights, level.name) and level.name in self.conjugate_levels and self._global_level is not None:
             shift_w = self._element_param(self.weights, level, plates, 2)
             stretch_w = self._element_param(self.stretches, level, plates, 2)
-            z = self._standardised_globals(values[self._global_level.name])
+            z, z_fixed = self._standardised_globals(values[self._global_level.name])
 
-        def build(mean, factor, shift_w=None, stretch_w=None):
+        def build(mean, factor, shift_w=None, stretch_w=None, z=z):
             shift = stretch = None
             if shift_w is not None:
                 shift = (shift_w @ z.unsqueeze(-1)).squeeze(-1)
@@ -329,14 +335,17 @@ class AutoBranchGuide(HierarchicalGuide):
         if self.stick_the_landing is False:
             return q
         detached = [None if t is None else t.detach() for t in (mean, factor, shift_w, stretch_w)]
-        return StickingTheLanding(q, build(*detached))
+        return StickingTheLanding(q, build(*detached, z=z_fixed))
 
-    def _standardised_globals(self, u: torch.Tensor) -> torch.Tensor:
-        """The globals' draw ``u (..., d_g)`` as ``(u - mean) / sd`` under the current q (held fixed)."""
+    def _standardised_globals(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The globals' draw ``u (..., d_g)`` standardised by q's mean and sd, ``(u - mean) / sd``: the globals'
+        base noise, so that the pseudo-observation's slopes add no spread to the groups that narrowing q over the
+        globals would remove; with the parameters live (the family's) and detached (the scorer of sticking the
+        landing, whose density must not depend on the variational parameters)."""
         assert self._global_level is not None
         loc, _, scale = self._level_params(self._global_level, None)
         sd = self._row_scale(self._global_level, scale)
-        return (u - loc.detach()) / sd.detach()
+        return (u - loc) / sd, (u - loc.detach()) / sd.detach()
 
     def _gathered_data(self, structure: ModelStructure) -> list[tuple[str, str]]:
         """``(site, plate)`` pairs whose gathers the guide reads besides its levels' links (a hook: the amortized
@@ -453,6 +462,7 @@ class AutoBranchGuide(HierarchicalGuide):
         ``None``, ``scale_tril`` (batch, d, d). ``u_anc`` concatenates the ancestor levels in ``level.ancestors``
         order."""
         lvl = self._levels[level]
+        self._require_linear(level)
         loc, weight, scale = self._level_params(lvl)
         if weight is not None:
             anc_loc, anc_scale = self._ancestor_params(lvl)
@@ -460,6 +470,14 @@ class AutoBranchGuide(HierarchicalGuide):
             loc = loc - (weight @ anc_loc.unsqueeze(-1)).squeeze(-1)
         scale_tril = torch.diag_embed(scale) if self._is_diagonal(lvl) else scale
         return {"loc": loc, "weight": weight, "scale_tril": scale_tril}
+
+    def _require_linear(self, level: str) -> None:
+        if level in self.conjugate_levels:
+            raise ValueError(
+                f"level '{level}' has the conjugate conditional (its prior conditional updated by a pseudo-"
+                "observation), whose mean is not linear in the ancestors: conditional() and set_conditional() "
+                "describe the linear form; build the guide with conditional='linear' for them, or use quantiles()"
+            )
 
     @torch.no_grad()
     def set_conditional(
@@ -469,6 +487,7 @@ class AutoBranchGuide(HierarchicalGuide):
         from a previous fit or a known posterior. Set ancestor levels first. ``scale_tril`` must be diagonal for
         ``covariance="diagonal"``; ``weight`` is required exactly when the level is conditional."""
         lvl = self._levels[level]
+        self._require_linear(level)
         if (weight is not None) != self._is_conditional(lvl):
             raise ValueError(f"level '{level}' {'needs' if self._is_conditional(lvl) else 'has no'} weight")
         if self._is_diagonal(lvl):
@@ -521,15 +540,16 @@ class AutoBranchGuide(HierarchicalGuide):
         outer = self._gathers
         if self._gathers is None:  # (the amortized guide has found this call's already)
             self._gathers = self._call_gathers(args, kwargs, plates)
-        if self._training():
-            self._calls += 1
+        training = self._training()
+        if training:
+            self._training_calls += 1
             self._attach_tail_average()
         if self.conjugate_levels:
-            self._refresh_references(args, kwargs, plates)
+            self._refresh_references(args, kwargs, plates, training)
         try:
             for level in self.levels:
                 if level.name in self.conjugate_levels:  # the prior conditional at the ancestors' draws, from the model
-                    fns, _ = capture_priors(self.model, args, kwargs, dict(result), level.sites)
+                    fns, _ = capture_priors(self.model, args, kwargs, dict(result), level.sites, _indices(plates))
                     q = self._conjugate_distribution(level, self._level_prior(level, fns), values, plates)
                 else:
                     q = self._level_distribution(level, values, plates)  # parameters read (and cut) outside the plates
@@ -577,8 +597,50 @@ class AutoBranchGuide(HierarchicalGuide):
         :math:`B_{\\ell k} = \\sum_a A_{\\ell,a} B_{a k}`; so
         :math:`\\mathrm{Cov}(u_\\ell) = \\sum_k B_{\\ell k} B_{\\ell k}^\\top`.
         """
+        if self.conjugate_levels:
+            return self._drawn_level_moments(*args, **kwargs)
         with self._summary_gathers(args, kwargs):
             return self._level_moments()
+
+    def _drawn_level_moments(self, *args, **kwargs) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Mean and covariance of the levels' element vectors from ``num_summary_samples`` draws (conjugate levels
+        have no closed-form marginal)."""
+        assert self.structure is not None
+        with self._summary_call(args, kwargs) as (args, kwargs):
+            draws = self._summary_draws(args, kwargs)
+        out = {}
+        for level in self.levels:
+            parts = []
+            for name in level.sites:
+                u = biject_to(self.structure.latent[name].support).inv(draws[name])
+                parts.append(u.reshape((u.shape[0], *level.batch_shape, -1)))
+            u = torch.cat(parts, -1)
+            mean = u.mean(0)
+            centred = u - mean
+            cov = torch.einsum("s...i,s...j->...ij", centred, centred) / (u.shape[0] - 1)
+            out[level.name] = (mean, cov)
+        return out
+
+    @contextmanager
+    def _summary_call(self, args: tuple, kwargs: dict) -> Iterator[tuple[tuple, dict]]:
+        """The call on which draw-based summaries are taken: the model's call on all the data of ``args`` (the
+        prototype's when none are given), the guide's plates opened at full size, so that summaries have the plates'
+        full sizes, as AutoNormal's."""
+        assert self.structure is not None
+        if not args and not kwargs:
+            args, kwargs = self.structure.args, self.structure.kwargs
+        args, kwargs, forced = full_data_call(self.model, args, kwargs)
+        saved = self.create_plates
+        if forced:  # plates the model subsamples at random: the guide opens them in full, the model replays that
+            dims = {n: self.structure.plates[n].dim for n in forced if n in self.structure.plates}
+            self.create_plates = lambda *a, **k: (
+                [pyro.plate(n, self.structure.plates[n].size, dim=d) for n, d in dims.items() if d is not None]
+                + ([] if saved is None else list(_as_list(saved(*a, **k))))
+            )
+        try:
+            yield args, kwargs
+        finally:
+            self.create_plates = saved
 
     def _level_moments(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         means: dict[str, torch.Tensor] = {}
@@ -606,8 +668,11 @@ class AutoBranchGuide(HierarchicalGuide):
 
     @torch.no_grad()
     def median(self, *args, **kwargs) -> dict[str, torch.Tensor]:
-        """Constrained values at the mean of q in unconstrained space (the posterior median there), full size."""
+        """Constrained values at the mean of q in unconstrained space (the posterior median there), full size; with
+        conjugate levels, the coordinatewise median of ``num_summary_samples`` draws."""
         self._require_setup(*args, **kwargs)
+        if self.conjugate_levels:
+            return super().median(*args, **kwargs)
         moments = self.level_moments(*args, **kwargs)
         return {
             name: self._constrain(
@@ -626,6 +691,9 @@ class AutoBranchGuide(HierarchicalGuide):
             guide.quantiles([0.05, 0.5, 0.95], x, y)["z"].shape  # (3, N, 1, D)
         """
         self._require_setup(*args, **kwargs)
+        if self.conjugate_levels:  # no closed-form marginal: draws, on the model's call on all the data
+            with self._summary_call(args, kwargs) as (args, kwargs):
+                return super().quantiles(quantiles, *args, **kwargs)
         moments = self.level_moments(*args, **kwargs)
         result = {}
         for level in self.levels:
@@ -644,8 +712,27 @@ def _concat_broadcast(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.expand(batch + t.shape[-1:]) for t in tensors], dim=-1)
 
 
+def _psd_root(matrix: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+    """A lower-triangular root of a symmetric matrix made positive definite: its eigenvalues clamped below at the
+    smallest of ``floor (..., d)`` (a curvature is not positive definite where the likelihood is not log-concave, or
+    where an element has no data)."""
+    sym = 0.5 * (matrix + matrix.mT)
+    values, vectors = torch.linalg.eigh(sym)
+    values = values.clamp(min=floor.min(-1, keepdim=True).values)
+    return torch.linalg.cholesky((vectors * values.unsqueeze(-2)) @ vectors.mT)
+
+
+def _as_list(plates) -> list:
+    return [plates] if isinstance(plates, pyro.plate) else list(plates)
+
+
 def _subsample_size(plate: pyro.plate | PlateCall) -> int:
     return plate.subsample_size
+
+
+def _indices(plates: dict[str, pyro.plate]) -> dict[str, torch.Tensor]:
+    """The indices of the guide's plates on this call (to replay in the model's own runs)."""
+    return {name: p.indices for name, p in plates.items()}
 
 
 def _element_index(buffer: torch.Tensor, selection: dict, event_dim: int) -> tuple:

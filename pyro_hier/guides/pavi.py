@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import math
-import warnings
 from collections.abc import Callable, Sequence
 
 import pyro
@@ -549,70 +548,6 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             dtype = next(iter(self._modules["flows"].parameters())).dtype
             cascade.encodings[level] = encoder(level, lambda site, lv: cascade.data[(site, lv)], cascade.calls, dtype)
         return cascade.encodings[level]
-
-    # ---- summaries ------------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def sample_latents(self, num_samples: int, *args, **kwargs) -> dict[str, torch.Tensor]:
-        """``num_samples`` joint draws of every latent site (constrained), stacked in a leading dim, for the plates
-        as the model opens them with these arguments.
-
-        The draws are taken at once, under a plate of ``num_samples`` left of the model's plates (the guide runs the
-        model). A model that cannot run batched that way (e.g. ``locs[assignment]`` instead of
-        ``locs[..., assignment]``, which ``Predictive(parallel=True)`` refuses too) is run once per draw instead,
-        with a warning: the same draws, only slower."""
-        self._require_setup(*args, **kwargs)
-        assert self.structure is not None
-        dim = -self.structure.max_plate_nesting - 1
-        try:
-            with poutine.block(), poutine.trace() as tr, pyro.plate("_pavi_draws", num_samples, dim=dim):
-                self(*args, **kwargs)
-            values = {name: tr.trace.nodes[name]["value"] for name in self.structure.latent}
-        except (ValueError, RuntimeError, IndexError) as e:
-            warnings.warn(
-                f"{type(self).__name__}: the model could not run batched over {num_samples} draws ({type(e).__name__}: "
-                f"{e}); drawing them one model run at a time (slower). Index with a leading ellipsis (x[..., i]) to "
-                "make the model batch-friendly.",
-                stacklevel=2,
-            )
-            draws = []
-            for _ in range(num_samples):
-                with poutine.block():
-                    draws.append(self(*args, **kwargs))
-            values = {name: torch.stack([d[name] for d in draws]) for name in self.structure.latent}
-        out = {}
-        for name, site in self.structure.latent.items():
-            value = values[name]
-            rank = len(site.shape)
-            out[name] = value.reshape((num_samples, *value.shape[value.dim() - rank :]) if rank else (num_samples,))
-        return out
-
-    @torch.no_grad()
-    def median(self, *args, **kwargs) -> dict[str, torch.Tensor]:
-        """Median of ``num_summary_samples`` draws of q, coordinatewise in unconstrained space and mapped to each
-        site's support (so a simplex stays a simplex), as ``AutoNormal``'s median."""
-        return {k: v[0] for k, v in self.quantiles([0.5], *args, **kwargs).items()}
-
-    @torch.no_grad()
-    def quantiles(self, quantiles: list[float] | torch.Tensor, *args, **kwargs) -> dict[str, torch.Tensor]:
-        """Quantiles of ``num_summary_samples`` draws of q, coordinatewise in unconstrained space and mapped to each
-        site's support (for elementwise transforms these are the constrained quantiles); the quantile dim comes
-        first."""
-        self._require_setup(*args, **kwargs)
-        assert self.structure is not None
-        out = {}
-        for name, draws in self._summary_draws(args, kwargs).items():
-            to_support = biject_to(self.structure.latent[name].support)
-            out[name] = to_support(empirical_quantiles(to_support.inv(draws), quantiles))
-        return out
-
-    def _summary_draws(self, args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
-        """The draws behind ``median`` and ``quantiles``: always the same ones for the same guide (a fixed seed,
-        without touching the caller's random state), so the summaries are functions of the guide."""
-        self._require_setup(*args, **kwargs)
-        device = next(self._modules["flows"].parameters()).device
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(0)
-            return self.sample_latents(self.num_summary_samples, *args, **kwargs)
 
 
 class _Tap(Transform):

@@ -46,7 +46,7 @@ def set_exact_regression_parameters(guide, p):
 
 def test_dense_family_contains_the_exact_posterior(regression):
     p = regression
-    guide = AutoBranchGuide(p.model)
+    guide = AutoBranchGuide(p.model, conditional="linear")
     guide(*p.args)
     set_exact_regression_parameters(guide, p)
     elbo, se = elbo_estimate(p.model, guide, p.args, num_particles=50)
@@ -110,7 +110,8 @@ def test_sticking_the_landing_is_unbiased_and_exact_at_the_posterior():
     exact posterior it is zero for every sample, while the standard estimator is not."""
     p = synthetic_regression(num_groups=4, num_obs=5, dim=2, seed=2)
     pyro.set_rng_seed(0)
-    stl, standard = AutoBranchGuide(p.model, stick_the_landing=True), AutoBranchGuide(p.model)
+    stl = AutoBranchGuide(p.model, conditional="linear", stick_the_landing=True)
+    standard = AutoBranchGuide(p.model, conditional="linear", stick_the_landing=False)
     stl(*p.args)
     standard(*p.args)
     with torch.no_grad():  # the same parameters, away from the init
@@ -199,7 +200,7 @@ def test_model_indices_are_honoured(regression):
     """With (almost) zero scales the guide returns each group's mean: the rows must be the ones the model asked for,
     in the model's order (Pyro's autoguides would draw their own rows, pyro-ppl/pyro#3468)."""
     p = regression
-    guide = AutoBranchGuide(p.model)
+    guide = AutoBranchGuide(p.model, conditional="linear")
     guide(*p.args)
     set_exact_regression_parameters(guide, p)
     with torch.no_grad():
