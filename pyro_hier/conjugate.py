@@ -251,14 +251,19 @@ def element_curvature(
             if site["mask"] is not None and site["mask"] is not True:
                 log_p = log_p * site["mask"]
             total = total + (log_p * (site["scale"] / plate_scale)).sum()
-        (grad,) = torch.autograd.grad(total, u, create_graph=True)
         d = u.shape[-1]
+        flat = u.new_zeros((*u.shape, d))
+        if not total.requires_grad:  # nothing in the model reads the level (e.g. a latent observation): no curvature
+            return flat
+        (grad,) = torch.autograd.grad(total, u, create_graph=True, allow_unused=True)
+        if grad is None or not grad.requires_grad:  # read only linearly, or not at all
+            return flat
         columns = []
         for k in range(d):
             probe = torch.zeros_like(u)
             probe[..., k] = 1.0
-            (col,) = torch.autograd.grad(grad, u, grad_outputs=probe, retain_graph=k + 1 < d)
-            columns.append(-col)
+            (col,) = torch.autograd.grad(grad, u, grad_outputs=probe, retain_graph=k + 1 < d, allow_unused=True)
+            columns.append(torch.zeros_like(u) if col is None else -col)
     return torch.stack(columns, -1).detach()
 
 

@@ -9,6 +9,7 @@ import torch
 from pyro.infer import SVI, Trace_ELBO
 
 from pyro_hier import AutoBranchGuide
+from pyro_hier.guides import branch as branch_module
 from pyro_hier.diagnostics import elbo_estimate
 from pyro_hier.problems import crossed_effects, synthetic_regression, three_level
 from pyro_hier.transforms import raw_from_scale_tril
@@ -68,16 +69,22 @@ def test_dense_family_contains_the_exact_posterior(regression):
 
 @pytest.fixture(scope="module")
 def fitted(regression):
+    """The linear conditionals (``conditional="linear"``) of the three covariances, and the default guide."""
     out = {}
     for covariance in ("dense", "block", "diagonal"):
-        guide = fit(regression, AutoBranchGuide(regression.model, covariance=covariance), steps=1600)
+        guide = AutoBranchGuide(regression.model, covariance=covariance, conditional="linear")
+        guide = fit(regression, guide, steps=1600)
         out[covariance] = (guide, *elbo_estimate(regression.model, guide, regression.args, num_particles=1000))
+    # the default (conjugate conditional, the exact family here)
+    guide = fit(regression, AutoBranchGuide(regression.model), steps=1600)
+    out["default"] = (guide, *elbo_estimate(regression.model, guide, regression.args, num_particles=1000))
     return out
 
 
-def test_dense_fit_reaches_exact_evidence_and_posterior(regression, fitted):
+@pytest.mark.parametrize("variant", ["dense", "default"])
+def test_dense_fit_reaches_exact_evidence_and_posterior(regression, fitted, variant):
     p = regression
-    guide, elbo, se = fitted["dense"]
+    guide, elbo, se = fitted[variant]
     assert p.log_evidence - elbo < 0.5
     assert elbo - p.log_evidence < 4 * se  # an ELBO above the evidence would be a bug
     moments = guide.level_moments()
@@ -154,11 +161,13 @@ def _gradients(problem, guide, subsample, particles, repeats):
     return torch.stack(grads)
 
 
-def test_subsampled_gradient_is_unbiased():
+@pytest.mark.parametrize("conditional", ["linear", "conjugate"])
+def test_subsampled_gradient_is_unbiased(conditional, monkeypatch):
     p = synthetic_regression(num_groups=5, num_obs=6, dim=2, seed=3)
     pyro.set_rng_seed(0)
-    guide = AutoBranchGuide(p.model)
-    guide(*p.args)
+    guide = AutoBranchGuide(p.model, conditional=conditional)
+    guide(*p.args)  # (the conjugate conditional's references of every group, made here, then held: one family)
+    monkeypatch.setattr(branch_module, "REFERENCE_EVERY", 10**9)
     with torch.no_grad():  # move away from the init so that every parameter has a gradient
         for x in guide.parameters():
             x.add_(0.3 * torch.randn_like(x))
