@@ -9,7 +9,8 @@ prints, per guide and problem, over seeds:
   the median over seeds);
 - ``mean err``: the mean of the same over elements;
 - ``sd ratio``: the range of ``sd_q / sd_ref`` over elements (over all seeds);
-- ``seconds``: wall time of the fit plus the draws (median over seeds).
+- ``seconds``: wall time of the fit plus the draws (median over seeds); ``cpu s``: the process's CPU time, which
+  the machine's other load does not inflate (one torch thread).
 
 MovieLens has no reference posterior: its rows report the held-out log predictive per rating (10% of each user's
 ratings held out; :func:`pyro_hier.problems.heldout_log_likelihood`) instead.
@@ -33,13 +34,14 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
+import json
 import math
 import platform
 import statistics
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import pyro
 import torch
@@ -91,6 +93,7 @@ class Row:
     sd_lo: float
     sd_hi: float
     seconds: float
+    cpu: float = math.nan  # process CPU seconds (one torch thread: the machine's other load does not count)
 
 
 def _errors(samples: dict[str, torch.Tensor], reference: dict[str, Moments]) -> tuple[float, float, float, float]:
@@ -109,7 +112,7 @@ def fit_svi(problem: Problem, make: Callable, steps: int, lr: float, seed: int, 
     """The user's loop, then ``draws`` draws from ``Predictive`` (the held-out fit for MovieLens)."""
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     guide = make(problem.model)
     svi = SVI(problem.model, guide, pyro.optim.ClippedAdam({"lr": lr, "lrd": 0.1 ** (1 / steps)}), Trace_ELBO())
     for _ in range(steps):
@@ -120,19 +123,23 @@ def fit_svi(problem: Problem, make: Callable, steps: int, lr: float, seed: int, 
         if not problem.moments:  # MovieLens: held-out log predictive per rating
             held = heldout_log_likelihood(problem, guide, num_samples=draws)
             value = held.per_rating
-            return Row(value, math.nan, math.nan, math.nan, time.perf_counter() - start)
+            return Row(value, math.nan, math.nan, math.nan, time.perf_counter() - start, time.process_time() - cpu)
         sites = list(problem.moments)
         samples = Predictive(problem.model, guide=guide, num_samples=draws, return_sites=sites)(
             *problem.args, **problem.kwargs
         )
-    return Row(*_errors(samples, problem.moments), time.perf_counter() - start)
+    return Row(*_errors(samples, problem.moments), time.perf_counter() - start, time.process_time() - cpu)
 
 
 def fit_nuts_pyro(problem: Problem, seed: int, draws: int, warmup: int) -> Row:
     pyro.set_rng_seed(seed)
-    start = time.perf_counter()
-    mcmc = MCMC(NUTS(problem.model, jit_compile=True, ignore_jit_warnings=True), num_samples=draws,
-                warmup_steps=warmup, disable_progbar=True)
+    start, cpu = time.perf_counter(), time.process_time()
+    mcmc = MCMC(
+        NUTS(problem.model, jit_compile=True, ignore_jit_warnings=True),
+        num_samples=draws,
+        warmup_steps=warmup,
+        disable_progbar=True,
+    )
     mcmc.run(*problem.args, **problem.kwargs)
     samples = mcmc.get_samples()
     if not problem.moments:
@@ -140,20 +147,22 @@ def fit_nuts_pyro(problem: Problem, seed: int, draws: int, warmup: int) -> Row:
     missing = [s for s in problem.moments if s not in samples]
     if missing:  # deterministic sites
         samples.update(Predictive(problem.model, samples, return_sites=missing)(*problem.args, **problem.kwargs))
-    return Row(*_errors(samples, problem.moments), time.perf_counter() - start)
+    return Row(*_errors(samples, problem.moments), time.perf_counter() - start, time.process_time() - cpu)
 
 
 def fit_nuts_numpyro(problem_name: str, problem: Problem, seed: int, draws: int, warmup: int) -> Row:
-    from numpyro_models import numpyro_run  # noqa: PLC0415 (benchmarks/, optional dependency)
+    from numpyro_models import numpyro_run
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     samples = numpyro_run(problem_name, problem, seed=seed, draws=draws, warmup=warmup)
-    return Row(*_errors(samples, problem.moments), time.perf_counter() - start)
+    return Row(*_errors(samples, problem.moments), time.perf_counter() - start, time.process_time() - cpu)
 
 
 def machine() -> str:
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        here = os.path.dirname(os.path.abspath(__file__))
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here)
+        commit = done.stdout.strip()
     except OSError:
         commit = "?"
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
@@ -174,14 +183,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=1000)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", default=None, help="append one JSON line per (problem, guide, seed) here")
     args = parser.parse_args(argv)
     if args.device != "cpu" and not torch.cuda.is_available():
         raise SystemExit(f"--device {args.device}: CUDA is not available on this machine")
     torch.set_num_threads(args.threads)
     print(f"# {machine()}")
-    print(f"# loop: ClippedAdam lr {args.lr} decaying x0.1 over {args.steps} steps, Trace_ELBO(), 1 particle; "
-          f"{args.draws} Predictive draws; seeds {args.seeds}")
-    header = f"{'problem':26s} {'guide':34s} {'max err':>15s} {'mean err':>9s} {'sd ratio':>11s} {'seconds':>8s}"
+    print(
+        f"# loop: ClippedAdam lr {args.lr} decaying x0.1 over {args.steps} steps, Trace_ELBO(), 1 particle; "
+        f"{args.draws} Predictive draws; seeds {args.seeds}"
+    )
+    header = (
+        f"{'problem':26s} {'guide':34s} {'max err':>15s} {'mean err':>9s} {'sd ratio':>11s} {'seconds':>8s} "
+        f"{'cpu s':>7s}"
+    )
     print(header)
     print("-" * len(header))
     for pname in args.problems:
@@ -199,13 +214,17 @@ def main(argv: list[str] | None = None) -> None:
                         rows.append(fit_nuts_pyro(problem, seed, args.draws, args.warmup))
                     elif gname == "NUTS (NumPyro)":
                         try:
-                            import numpyro  # noqa: F401, PLC0415
+                            import numpyro  # noqa: F401
                         except ImportError:
                             failure = "numpyro not installed (pip install -e '.[bench]')"
                             break
                         rows.append(fit_nuts_numpyro(pname, problem, seed, args.draws, args.warmup))
                     else:
                         rows.append(fit_svi(problem, GUIDES[gname], args.steps, args.lr, seed, args.draws))
+                    if args.out:
+                        with open(args.out, "a") as f:
+                            f.write(json.dumps({"problem": pname, "guide": gname, "seed": seed, **asdict(rows[-1])}))
+                            f.write("\n")
                 except Exception as e:  # a guide that refuses or fails is reported, not hidden
                     failure = f"{type(e).__name__}: {str(e)[:90]}"
                     break
@@ -214,15 +233,21 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             if pname == "movielens":
                 lls = [r.max_err for r in rows]
-                print(f"{pname:26s} {gname:34s} {'LL/rating':>6s} {statistics.median(lls):8.4f} {'':>9s} {'':>11s} "
-                      f"{statistics.median(r.seconds for r in rows):8.1f}")
+                secs, cpu = statistics.median(r.seconds for r in rows), statistics.median(r.cpu for r in rows)
+                print(
+                    f"{pname:26s} {gname:34s} {'LL/rating':>6s} {statistics.median(lls):8.4f} {'':>9s} {'':>11s} "
+                    f"{secs:8.1f} {cpu:7.1f}",
+                    flush=True,
+                )
                 continue
             worst = max(r.max_err for r in rows)
             med = statistics.median(r.max_err for r in rows)
             print(
                 f"{pname:26s} {gname:34s} {worst:7.3f} ({med:5.3f}) {statistics.median(r.mean_err for r in rows):9.3f} "
                 f"{min(r.sd_lo for r in rows):5.2f}–{max(r.sd_hi for r in rows):4.2f} "
-                f"{statistics.median(r.seconds for r in rows):8.1f}" + (f"  [{failure}]" if failure else "")
+                f"{statistics.median(r.seconds for r in rows):8.1f} {statistics.median(r.cpu for r in rows):7.1f}"
+                + (f"  [{failure}]" if failure else ""),
+                flush=True,
             )
 
 
