@@ -114,13 +114,13 @@ def _base(fn):
 def _is_real(support: constraints.Constraint) -> bool:
     while isinstance(support, constraints.independent):
         support = support.base_constraint
-    return support is constraints.real
+    return type(support) is type(constraints.real)  # (by type: an unpickled constraint is another instance)
 
 
 def _is_positive(support: constraints.Constraint) -> bool:
     while isinstance(support, constraints.independent):
         support = support.base_constraint
-    return support is constraints.positive
+    return type(support) is type(constraints.positive) and float(support.lower_bound) == 0.0
 
 
 def gaussian_prior(fn, support: constraints.Constraint) -> GaussianPrior | None:

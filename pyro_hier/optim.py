@@ -28,7 +28,6 @@ never saw.) When every row is seen on every step, the result is the dense optimi
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Iterable
 
 import torch
@@ -36,7 +35,7 @@ from pyro.optim import PyroOptim
 
 from pyro_hier.sparse import consume_sparse_grad, element_dims
 
-__all__ = ["Adam", "ClippedAdam", "IterateAverage", "LazyAdam", "LazyClippedAdam", "TailAverage"]
+__all__ = ["Adam", "ClippedAdam", "IterateAverage", "LazyAdam", "LazyClippedAdam", "tail_average_update"]
 
 
 class IterateAverage:
@@ -120,62 +119,34 @@ class IterateAverage:
                 params[name].copy_(mean)
 
 
-class TailAverage:
-    r"""Online tail average of a few parameters, kept up to date by the parameters' own gradient hooks, so that it
-    follows any training loop (eager or JIT-compiled ELBOs, DDP) without a call from the user.
-
-    After the :math:`n`-th backward pass that reaches a parameter :math:`\phi`, its average becomes
+@torch.no_grad()
+def tail_average_update(average: torch.Tensor, value: torch.Tensor, count: int, fraction: float) -> None:
+    r"""One step of an online tail average, in place: after the :math:`n`-th value :math:`\phi_n`,
 
     .. math:: \bar\phi_n = \bar\phi_{n-1} + \beta_n (\phi_n - \bar\phi_{n-1}),
               \qquad \beta_n = 1 / \max(1, f n),
 
-    an exponential average whose memory grows with the run: about the last fraction :math:`f` of the steps taken so
-    far. With a decaying learning rate this is Polyak–Ruppert averaging of the run's tail (Polyak & Juditsky 1992)
-    without knowing where the run ends. The averaged values are plain tensors (:attr:`values`), to be read where the
-    parameters' noisy last iterate is not wanted (posterior summaries, ``Predictive``).
+    an exponential average whose memory grows with the run: about the last fraction :math:`f` of the values so far.
+    Applied to the iterates of an optimiser with a decaying learning rate it is Polyak–Ruppert averaging of the run's
+    tail (Polyak & Juditsky 1992) without knowing where the run ends (:class:`~pyro_hier.AutoBranchGuide` averages
+    its global parameters so, from their gradient hooks, and uses the average outside training).
 
     Example::
 
-        average = TailAverage({"loc": loc_param}, fraction=0.25)
-        ...  # training: every backward pass updates average.values["loc"]
+        average = loc.detach().clone()
+        for n in range(1, 101):
+            ...  # an optimiser step on loc
+            tail_average_update(average, loc, n, fraction=0.25)
 
-    :param params: leaf tensors to average, by name.
-    :param fraction: :math:`f`, the fraction of the steps so far that the average remembers.
+    :param average: :math:`\bar\phi_{n-1}`, overwritten with :math:`\bar\phi_n`.
+    :param value: :math:`\phi_n`.
+    :param count: :math:`n \ge 1`.
+    :param fraction: :math:`f \in (0, 1]`.
     """
-
-    def __init__(self, params: dict[str, torch.Tensor], *, fraction: float = 0.25) -> None:
-        if not 0 < fraction <= 1:
-            raise ValueError(f"TailAverage: fraction must be in (0, 1], got {fraction!r}")
-        self.fraction = fraction
-        self.values: dict[str, torch.Tensor] = {k: v.detach().clone() for k, v in params.items()}
-        self.counts: dict[str, int] = dict.fromkeys(params, 0)
-        self._hooked: dict[str, weakref.ref] = {}
-        self.attach(params)
-
-    def attach(self, params: dict[str, torch.Tensor]) -> None:
-        """(Re)install the gradient hooks on ``params`` (needed after unpickling, or when the tensors change)."""
-        for name, p in params.items():
-            ref = self._hooked.get(name)
-            if (ref is not None and ref() is p) or not p.requires_grad:
-                continue
-            self._hooked[name] = weakref.ref(p)
-            p.register_post_accumulate_grad_hook(lambda t, name=name: self._update(name, t))
-
-    @torch.no_grad()
-    def _update(self, name: str, value: torch.Tensor) -> None:
-        self.counts[name] += 1
-        beta = 1.0 / max(1.0, self.fraction * self.counts[name])
-        avg = self.values[name]
-        if avg.shape != value.shape or avg.device != value.device or avg.dtype != value.dtype:
-            self.values[name] = avg = value.detach().clone()
-        avg.add_(value.detach() - avg, alpha=beta)
-
-    def __getstate__(self) -> dict:
-        return {"fraction": self.fraction, "values": self.values, "counts": self.counts}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._hooked = {}  # hooks are not pickled: attach() installs them again
+    if not 0 < fraction <= 1:
+        raise ValueError(f"tail_average_update: fraction must be in (0, 1], got {fraction!r}")
+    beta = 1.0 / max(1.0, fraction * count)
+    average.add_(value.detach().to(average.dtype) - average, alpha=beta)
 
 
 class LazyAdam(torch.optim.Optimizer):

@@ -196,8 +196,9 @@ def test_fit_summaries_and_saved_state(name, dtype, device, tmp_path):
         loaded.double()
         y64 = y.double()
         assert all(p.dtype == torch.float64 for p in loaded.parameters())
-        # summaries from draws (PAVI, HVM) draw other random numbers in float64: equal within their Monte Carlo error
-        tol = 0.15 if name.startswith(("pavi", "hvm")) else 1e-5
+        # summaries from draws (PAVI, HVM, the branch guide's conjugate levels) draw other random numbers in float64:
+        # equal within their Monte Carlo error
+        tol = 0.15 if name.startswith(("pavi", "hvm", "branch")) else 1e-5
         assert_same(median(loaded, y64), {k: v.double() for k, v in med.items()}, rtol=tol, atol=tol)
     loaded.requires_grad_(False)
     assert not any(p.requires_grad for p in loaded.parameters())
@@ -441,10 +442,13 @@ def test_init_loc_fn_and_init_scale_set_the_start(name):
     from each element's data (the amortized levels) start a plated site at its elements' mean init value."""
     sampled = name.startswith(("pavi", "hvm"))
     shared = name.startswith(("pavi", "amortized"))
+    # the branch guide's conjugate level (z) starts at its Laplace conditional around the init value: its median is
+    # the init value within its draws' Monte Carlo error, its spread is the prior's here, not init_scale
+    conjugate = name.startswith("branch")
     for label, strategy in STRATEGIES.items():
         pyro.clear_param_store()
         pyro.set_rng_seed(0)
-        kwargs = {"num_summary_samples": 4000} if sampled else {}
+        kwargs = {"num_summary_samples": 4000} if sampled or conjugate else {}
         guide = GUIDES[name](prior_model, init_loc_fn=strategy, init_scale=0.2, **kwargs)
         guide()
         start = {k: v["value"] for k, v in guide.prototype_trace.nodes.items() if k in ("wide", "narrow", "z")}
@@ -454,6 +458,8 @@ def test_init_loc_fn_and_init_scale_set_the_start(name):
                 want = want.mean().expand(want.shape)
             # the paper form's readout starts at 1e-3 of its inputs, not at zero
             tol = 0.04 if sampled else (2e-3 if name == "amortized-paper" else 1e-6)
+            if conjugate and site == "z":  # 5 standard errors of a median of 4,000 draws with the prior's sd 1
+                tol = 5 * 1.2533 / 4000**0.5
             torch.testing.assert_close(med[site], want, atol=tol, rtol=0, msg=f"{label}: {site}")
         q = quantiles(guide, [0.158655, 0.841345])
         for site in ("wide", "narrow"):
