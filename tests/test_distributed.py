@@ -56,7 +56,7 @@ def launched(tmp_path_factory) -> Path:
 
 def make_guide(kind: str, problem) -> AutoBranchGuide:
     if kind == "branch":
-        return AutoBranchGuide(problem.model)
+        return AutoBranchGuide(problem.model, conditional="linear")  # (the conjugate form keeps per-process state)
     return AutoAmortizedBranchGuide(
         problem.model, local_features=problem.local_features, feature_net=FEATURE_NET, param_net=PARAM_NET
     )
@@ -71,7 +71,8 @@ def single_process(kind: str, problem, ranks: dict[int, dict]) -> dict:
         loss_fn(*problem.args, subsample=ranks[0]["setup_batch"])  # rank 0's first batch, as DDP broadcasts rank 0
         initial = {k: v.detach().clone() for k, v in loss_fn.state_dict().items()}
         nets = {id(p) for p in guide.nets.parameters()} if kind == "amortized" else set()
-        groups = [{"params": [p for p in guide.parameters() if id(p) not in nets], "lr": LR}]
+        state = {id(p) for p in guide.state_parameters().values()}  # no gradient: not optimised
+        groups = [{"params": [p for p in guide.parameters() if id(p) not in nets | state], "lr": LR}]
         if nets:
             groups.append({"params": [p for p in guide.parameters() if id(p) in nets], "lr": NETWORK_LR})
         optim = LazyAdam(groups)
@@ -84,14 +85,18 @@ def single_process(kind: str, problem, ranks: dict[int, dict]) -> dict:
             optim.zero_grad()
             torch.stack(per_rank).mean().backward()
             if step == 0:  # every parameter got a gradient, so DDP's find_unused_parameters=False is right
-                assert all(p.grad is not None for p in loss_fn.parameters())
-                first_grads = {k: p.grad.detach().to_dense().clone() for k, p in loss_fn.named_parameters()}
+                assert all(p.grad is not None for p in loss_fn.parameters() if id(p) not in state)
+                first_grads = {
+                    k: p.grad.detach().to_dense().clone() for k, p in loss_fn.named_parameters() if id(p) not in state
+                }
             optim.step()
             losses.append([loss.item() for loss in per_rank])
         # what a rank sends per step: every dense gradient (DDP), and the indices and values of its own rows of the
         # per-group parameters (the sparse all-reduce)
         nbytes = 0
         for p in guide.parameters():
+            if id(p) in state:
+                continue
             rows = element_dims(p)
             if rows is None:
                 nbytes += p.numel() * p.element_size()

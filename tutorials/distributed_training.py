@@ -123,7 +123,9 @@ def sizes(text: str) -> tuple[int, ...]:
 def make_guide(kind: str, args: argparse.Namespace, problem) -> AutoBranchGuide:
     """The guide ``kind`` with the command line's options (the test builds its reference with the same ones)."""
     if kind == "branch":
-        return AutoBranchGuide(problem.model, covariance=args.covariance)
+        # the linear conditional: the conjugate one (the default) keeps per-process state (its references, refreshed
+        # on each rank's own minibatches), which data-parallel replicas would not share
+        return AutoBranchGuide(problem.model, covariance=args.covariance, conditional="linear")
     return AutoAmortizedBranchGuide(
         problem.model,
         covariance=args.covariance,
@@ -137,7 +139,7 @@ def make_optimizer(args: argparse.Namespace, guide: AutoBranchGuide) -> torch.op
     """``pyro_hier.optim.LazyAdam`` (or ``torch.optim.Adam`` with ``--optimizer adam``); the amortized guide's networks
     get ``--network-lr`` (a parameter group of their own)."""
     nets = list(guide.nets.parameters()) if isinstance(guide, AutoAmortizedBranchGuide) else []
-    ids = {id(p) for p in nets}
+    ids = {id(p) for p in nets} | {id(p) for p in guide.state_parameters().values()}  # (state: no gradient)
     groups = [{"params": [p for p in guide.parameters() if id(p) not in ids], "lr": args.lr}]
     if nets:
         groups.append({"params": nets, "lr": args.network_lr})
@@ -183,7 +185,11 @@ def fit(kind: str, rank: int, world_size: int, args: argparse.Namespace, problem
     loss_fn(*problem.args, subsample=setup_batch)  # one call creates the guide's parameters before DDP wraps it
     # per-group parameters: out of DDP (their gradients are sparse), rank 0's values broadcast by hand
     rows = element_parameters(loss_fn) if args.optimizer == "lazy" else {}
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(loss_fn, list(rows))
+    # the guide's state (references, call count, averages: no gradient) is not DDP's to reduce either; it stays equal
+    # on every rank, which take the same steps on the same parameters
+    state_ids = {id(p) for p in guide.state_parameters().values()}
+    state = [name for name, p in loss_fn.named_parameters() if id(p) in state_ids and name not in rows]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(loss_fn, list(rows) + state)
     for p in rows.values():
         tdist.broadcast(p.data, src=0)
     ddp = DistributedDataParallel(loss_fn, find_unused_parameters=False)  # broadcasts rank 0's parameters, buffers
@@ -214,7 +220,9 @@ def fit(kind: str, rank: int, world_size: int, args: argparse.Namespace, problem
         loss.backward()  # DDP averages the dense gradients over the ranks here
         communicated[0] += all_reduce_sparse_grads(rows.values())  # and this the per-group rows
         if step == 0:
-            first_grads = {k: p.grad.detach().to_dense().clone() for k, p in loss_fn.named_parameters()}
+            first_grads = {
+                k: p.grad.detach().to_dense().clone() for k, p in loss_fn.named_parameters() if p.grad is not None
+            }
         optim.step()
         batches.append(idx)
         seeds.append(seed)

@@ -293,7 +293,7 @@ class AutoBranchGuide(HierarchicalGuide):
         for name in self.conjugate_levels:
             level = self._levels[name]
             last = self._reference(level, "call", plates, 0)
-            calls = int(self.references.training_calls)
+            calls = int(self.references.training_calls.detach())
             if bool((last < 0).any()) or (training and int(last.min()) <= calls - REFERENCE_EVERY):
                 stale.append(level)
         if not stale:
@@ -630,6 +630,16 @@ class AutoBranchGuide(HierarchicalGuide):
         state["_hooked"] = {}  # gradient hooks are not pickled: the first training call installs them again
         return state
 
+    def state_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """The guide's parameters that are state, not optimised (no gradient reaches them): the conjugate levels'
+        references, the training-call count, and the globals' tail average. They are parameters so that Pyro's param
+        store carries them; leave them out of hand-built optimisers and out of ``DistributedDataParallel``'s
+        reduction (``tutorials/distributed_training.py``)."""
+        return dict(
+            [(f"references.{k}", v) for k, v in self.references.named_parameters()]
+            + [(f"averages.{k}", v) for k, v in self.averages.named_parameters()]
+        )
+
     def _attach_hooks(self) -> None:
         """Hook (once per parameter tensor: again after unpickling, loading or moving) the count of training calls and
         the tail average of the global level's parameters onto the parameters' gradient accumulation: they follow any
@@ -654,7 +664,7 @@ class AutoBranchGuide(HierarchicalGuide):
             if hasattr(self.averages, "count"):
                 _state_tensor(self.averages.count).add_(1)
             return
-        count = int(self.averages.count)
+        count = int(self.averages.count.detach())
         tail_average_update(_state_tensor(getattr(self.averages, key)), value, max(count, 1), TAIL_FRACTION)
 
     def _use_average(self) -> bool:
@@ -663,7 +673,7 @@ class AutoBranchGuide(HierarchicalGuide):
         return (
             self._global_level is not None
             and hasattr(self.averages, "count")
-            and float(self.averages.count) > 0
+            and float(self.averages.count.detach()) > 0
             and not torch.is_grad_enabled()
         )
 

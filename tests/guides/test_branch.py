@@ -9,8 +9,8 @@ import torch
 from pyro.infer import SVI, Trace_ELBO
 
 from pyro_hier import AutoBranchGuide
-from pyro_hier.guides import branch as branch_module
 from pyro_hier.diagnostics import elbo_estimate
+from pyro_hier.guides import branch as branch_module
 from pyro_hier.problems import crossed_effects, synthetic_regression, three_level
 from pyro_hier.transforms import raw_from_scale_tril
 
@@ -30,6 +30,11 @@ def fit(problem, guide, *, steps, lr=0.05, particles=8, final_lr_ratio=0.02, see
 @pytest.fixture(scope="module")
 def regression():
     return synthetic_regression(num_groups=10, num_obs=100, dim=10, seed=0)
+
+
+def trained(guide) -> dict:
+    """The guide's optimised parameters (without the gradient-free state: references, call count, averages)."""
+    return {k: v for k, v in guide.named_parameters() if not k.startswith(("references.", "averages."))}
 
 
 def set_exact_regression_parameters(guide, p):
@@ -122,7 +127,7 @@ def test_sticking_the_landing_is_unbiased_and_exact_at_the_posterior():
     stl(*p.args)
     standard(*p.args)
     with torch.no_grad():  # the same parameters, away from the init
-        for a, b in zip(stl.parameters(), standard.parameters(), strict=True):
+        for a, b in zip(trained(stl).values(), trained(standard).values(), strict=True):
             a.add_(0.3 * torch.randn_like(a))
             b.copy_(a)
     # common random numbers: the same noise for both, so the difference is the dropped score term alone
@@ -152,7 +157,7 @@ def test_sticking_the_landing_is_unbiased_and_exact_at_the_posterior():
 def _gradients(problem, guide, subsample, particles, repeats):
     """Per-repeat gradient estimates (repeats, num_params) of the loss at the current parameters."""
     elbo = Trace_ELBO(num_particles=particles, vectorize_particles=True, max_plate_nesting=2)
-    params = dict(guide.named_parameters())
+    params = trained(guide)
     grads = []
     for _ in range(repeats):
         loss = elbo.differentiable_loss(problem.model, guide, *problem.args, subsample=subsample)
@@ -169,7 +174,7 @@ def test_subsampled_gradient_is_unbiased(conditional, monkeypatch):
     guide(*p.args)  # (the conjugate conditional's references of every group, made here, then held: one family)
     monkeypatch.setattr(branch_module, "REFERENCE_EVERY", 10**9)
     with torch.no_grad():  # move away from the init so that every parameter has a gradient
-        for x in guide.parameters():
+        for x in trained(guide).values():
             x.add_(0.3 * torch.randn_like(x))
     full = _gradients(p, guide, None, particles=2000, repeats=4)
     subsets = list(itertools.combinations(range(5), 2))
@@ -192,11 +197,11 @@ def test_groups_outside_the_minibatch_are_untouched(regression, optim):
     guide = AutoBranchGuide(p.model)
     idx = torch.tensor([1, 4, 7])
     guide(*p.args, subsample=idx)
-    before = {k: v.detach().clone() for k, v in guide.named_parameters()}
+    before = {k: v.detach().clone() for k, v in trained(guide).items()}
     opt = pyro.optim.SGD({"lr": 1e-3}) if optim == "sgd" else pyro.optim.Adam({"lr": 1e-2})
     SVI(p.model, guide, opt, Trace_ELBO()).step(*p.args, subsample=idx)
     outside = torch.tensor([i for i in range(10) if i not in idx.tolist()])
-    for name, value in guide.named_parameters():
+    for name, value in trained(guide).items():
         if "groups" in name:
             assert value.shape[0] == 10  # full size
             torch.testing.assert_close(value[outside], before[name][outside], rtol=0, atol=0)
