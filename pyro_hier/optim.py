@@ -79,6 +79,10 @@ class IterateAverage:
     def update(self) -> None:
         """Add the module's current parameters to the running mean."""
         params = dict(self.module.named_parameters())
+        state = getattr(self.module, "state_parameters", None)  # a guide's gradient-free state is not an iterate
+        if state is not None:
+            skip = {id(p) for p in state().values()}
+            params = {k: v for k, v in params.items() if id(v) not in skip}
         if not params:
             raise ValueError(
                 "IterateAverage.update: the module has no parameters yet; autoguides create them on their first "
@@ -111,6 +115,10 @@ class IterateAverage:
         if self.count == 0:
             raise ValueError("IterateAverage.apply: nothing to apply, update() was never called")
         params = dict(self.module.named_parameters())
+        state = getattr(self.module, "state_parameters", None)  # a guide's gradient-free state is not an iterate
+        if state is not None:
+            skip = {id(p) for p in state().values()}
+            params = {k: v for k, v in params.items() if id(v) not in skip}
         missing = sorted(self._mean.keys() - params.keys())
         if missing:
             raise ValueError(f"IterateAverage.apply: the module no longer has the parameters {missing}")

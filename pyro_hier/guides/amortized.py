@@ -288,7 +288,9 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             self._observed_rows = ObservedRows(self._gather_maps, keyed)
 
     def _may_be_conjugate(self, level: PlateLevel, structure: ModelStructure) -> bool:
-        return level.name not in self.amortized_levels and super()._may_be_conjugate(level, structure)
+        # the amortized guide keeps the linear conditional everywhere: its levels' parameters come from networks, and
+        # its free levels (no data) gain nothing from a pseudo-observation
+        return False
 
     def extra_repr(self) -> str:
         if self.structure is None:

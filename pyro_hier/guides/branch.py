@@ -630,6 +630,15 @@ class AutoBranchGuide(HierarchicalGuide):
         state["_hooked"] = {}  # gradient hooks are not pickled: the first training call installs them again
         return state
 
+    @property
+    def _needs_model_because(self) -> str:  # (the message of an unpickled guide without its model)
+        if self.conjugate_levels:
+            return (
+                f"It runs the model on each call to read the prior conditionals of its conjugate levels "
+                f"{list(self.conjugate_levels)}"
+            )
+        return "It runs the model on each call to read the plates' subsample indices"
+
     def state_parameters(self) -> dict[str, torch.nn.Parameter]:
         """The guide's parameters that are state, not optimised (no gradient reaches them): the conjugate levels'
         references, the training-call count, and the globals' tail average. They are parameters so that Pyro's param
