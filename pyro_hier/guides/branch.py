@@ -201,6 +201,7 @@ class AutoBranchGuide(HierarchicalGuide):
             if self._global_level is not None:
                 for key, value in self._global_leaves().items():
                     setattr(self.averages, key, PyroParam(value.detach().clone(), constraints.real))
+                    getattr(self.averages, key)  # (read once: a trace of this call records the parameter, not its init)
                 self.averages.count = PyroParam(like.new_zeros(()), constraints.real)
 
     def _setup_level(self, level: PlateLevel, init: torch.Tensor) -> None:
