@@ -68,12 +68,12 @@ def test_fit_guide_with_a_time_budget_runs_until_the_budget_is_spent_on_the_draw
     guide, losses, spent = fit_guide(
         dataclasses.replace(p, model=model),
         lambda q: AutoBranchGuide(q.model),
-        seconds=1.5,
+        seconds=3.0,  # (the default guide's first call also computes its references: a loaded machine needs time)
         num_particles=1,
         subsample=draw,
     )
     assert isinstance(guide, AutoBranchGuide)
-    assert spent >= 1.5 and len(losses) == len(drawn) >= 2 and all(math.isfinite(v) for v in losses)
+    assert spent >= 3.0 and len(losses) == len(drawn) >= 2 and all(math.isfinite(v) for v in losses)
     # the guide is built on all groups; then every model call of step k (replayed by the guide or run by the ELBO)
     # gets the indices drawn for that step
     assert all(s is None for k, s in model_calls if k == 0) and model_calls[0][0] == 0
