@@ -12,9 +12,9 @@ import torch
 
 
 def _models(name: str, problem):
-    import jax.numpy as jnp  # noqa: PLC0415
-    import numpyro  # noqa: PLC0415
-    import numpyro.distributions as nd  # noqa: PLC0415
+    import jax.numpy as jnp
+    import numpyro
+    import numpyro.distributions as nd
 
     def np_(t):
         return jnp.asarray(t.detach().cpu().numpy())
@@ -108,10 +108,10 @@ def _models(name: str, problem):
 
 def numpyro_run(name: str, problem, *, seed: int, draws: int, warmup: int) -> dict[str, torch.Tensor]:
     """NUTS draws of the NumPyro twin of ``problem`` (float64), shaped like the Pyro sites of ``problem.moments``."""
-    import jax  # noqa: PLC0415
+    import jax
 
     jax.config.update("jax_enable_x64", True)
-    from numpyro.infer import MCMC, NUTS  # noqa: PLC0415
+    from numpyro.infer import MCMC, NUTS
 
     model, kwargs = _models(name, problem)
     mcmc = MCMC(NUTS(model), num_warmup=warmup, num_samples=draws, progress_bar=False)
