@@ -165,7 +165,11 @@ class DeepSetEncoder(nn.Module):
                 if is_factor(obs.fn):
                     continue
                 reached = structure.reachable_plates(obs.name)
-                if set(level.plates) <= set(obs.plates) and reached == set(obs.plates):
+                # nested in the level's plates: its elements are the level's data, also when it reads other plates'
+                # elements besides (a broadcast size-1 plate); for the globals, a site that gathers is pooled along
+                # its route instead, as its nested formulation would be
+                nested = set(level.plates) <= set(obs.plates)
+                if nested and (reached == set(obs.plates) or bool(level.plates)):
                     inner = [p for p in obs.plates if p not in level.plates]
                     inner.sort(key=lambda p: -self.plate_dims[p])  # innermost (closest to -1) first
                     paths.append((obs.name, tuple(inner)))

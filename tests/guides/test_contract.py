@@ -361,12 +361,7 @@ def kinds_model(y):
         pyro.sample("y", dist.MultivariateNormal(mean, corr_matrix), obs=y)
 
 
-DEEPSET_ROUTE = pytest.mark.xfail(
-    strict=True, reason="encoders.py (issue 17): 'no route' for a site reading a size-1 plate's element by broadcast"
-)
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=DEEPSET_ROUTE) if n == "pavi-deepset" else n for n in NAMES])
+@pytest.mark.parametrize("name", NAMES)
 def test_every_support_and_site_kind(name):
     y = torch.randn(3, 2, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     guide = GUIDES[name](kinds_model)
