@@ -541,19 +541,21 @@ def test_autonormal_ignores_the_models_indices_but_we_do_not():
 
 
 # ---- pickling in a fresh process -----------------------------------------------------------------------------------
-SAVE = """
-import pyro, torch, pyro.distributions as dist
-from pyro.infer import SVI, Trace_ELBO
-from pyro.infer.autoguide import AutoNormal
-from pyro_hier import AutoAmortizedBranchGuide, AutoBranchGuide, AutoHierarchicalVM, AutoPlateAmortizedFlow
-
+MODEL = """
 def model(y=None):
     mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
     with pyro.plate("groups", 4, dim=-2):
         z = pyro.sample("z", dist.Normal(mu, 1.0))
         with pyro.plate("obs", 3, dim=-1):
             pyro.sample("y", dist.Normal(z, 1.0), obs=y)
+"""
 
+SAVE = """
+import pyro, torch, pyro.distributions as dist
+from pyro.infer import SVI, Trace_ELBO
+from pyro.infer.autoguide import AutoNormal
+from pyro_hier import AutoAmortizedBranchGuide, AutoBranchGuide, AutoHierarchicalVM, AutoPlateAmortizedFlow
+{model}
 GUIDES = {GUIDES}
 y = torch.randn(4, 3)
 for name, make in GUIDES.items():
@@ -595,15 +597,6 @@ for name in sys.argv[1:]:  # now it does, as a script that calls Predictive(mode
     check(name)
 """
 
-MODEL = """
-def model(y=None):
-    mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
-    with pyro.plate("groups", 4, dim=-2):
-        z = pyro.sample("z", dist.Normal(mu, 1.0))
-        with pyro.plate("obs", 3, dim=-1):
-            pyro.sample("y", dist.Normal(z, 1.0), obs=y)
-"""
-
 FRESH_PROCESS_GUIDES = {
     "autonormal": "lambda m: AutoNormal(m)",
     "branch": "lambda m: AutoBranchGuide(m)",
@@ -630,7 +623,7 @@ def test_whole_guide_pickled_and_loaded_in_a_fresh_process(tmp_path):
     full size), and those that run the model on every call (the branch guide's conjugate levels read their prior
     conditionals from it; the amortized guide, PAVI) say exactly that."""
     guides = "{" + ", ".join(f"{k!r}: {v}" for k, v in FRESH_PROCESS_GUIDES.items()) + "}"
-    run_script(SAVE.format(GUIDES=guides), tmp_path)
+    run_script(SAVE.format(GUIDES=guides, model=MODEL), tmp_path)
     names = list(FRESH_PROCESS_GUIDES)
     first, second = run_script(LOAD.format(model=MODEL), tmp_path, *names).split("---\n")
     assert second.splitlines() == [f"{name} ok True (5, 4, 3)" for name in names]

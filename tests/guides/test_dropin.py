@@ -1,40 +1,70 @@
-"""Guard of the recommended default in the user's own loop (issue 19; the full measurement is benchmarks/dropin.py).
+"""Guards of each guide's defaults in the user's own loop (issue 19; the full measurement is benchmarks/dropin.py).
 
 Minnesota radon (Uniform priors, NUTS reference), the model as users write it (county effects gathered by index),
-``SVI`` with Pyro's ``ClippedAdam`` and ``Trace_ELBO()`` (one particle), ``Predictive`` for the summaries: a short run
-(800 steps, rate 0.03 decaying tenfold) of ``AutoBranchGuide(model)`` must bring every posterior mean within 1.2
-reference sds. Measured when written: 0.67 (AutoNormal in the same loop: 2.95; the previous default, the linear dense
-conditional, 1.54 even after the full 5,000 steps at rate 0.01). The Monte Carlo error of the 1,000 draws' means is
-under 0.1 sd.
+``SVI`` with Pyro's ``ClippedAdam`` (rate decaying tenfold) and ``Trace_ELBO()`` (one particle), ``Predictive`` for
+the summaries, shortened runs with bounds loose enough for their budget but far below what the old defaults gave:
+
+- ``AutoBranchGuide``: 800 steps at rate 0.03, every posterior mean within 1.2 reference sds. Measured when written:
+  0.67 (AutoNormal in the same loop: 2.95; the previous default, the linear dense conditional, 1.54 even after the
+  full 5,000 steps at rate 0.01). The Monte Carlo error of the 1,000 draws' means is under 0.1 sd.
+- ``AutoHierarchicalVM``: 500 steps at rate 0.05. Measured then (500 draws): max error 6.2 and 8.3 (seeds 0, 1;
+  AutoNormal 2.8–3.0: at this budget the guide is behind), sd ratios 0.4–2.0. The old defaults (four components,
+  r's features of the raw unconstrained value) gave 24 with sd ratios up to 7, and a loss of 2.5e9 after 5,000 steps;
+  in the full loop (5,000 steps at rate 0.01) the defaults reach AutoNormal's accuracy.
+- ``AutoPlateAmortizedFlow``: 500 steps at rate 0.05. Measured then: max error 0.84 with sd ratios 0.37–1.3
+  (AutoNormal 2.8–3.0 at this budget); the bound is loose enough for ``condition_on_ancestors=True`` (3.2, sd ratios
+  0.57–1.84).
 """
+
+import math
+from collections.abc import Callable
 
 import pyro
 import torch
 from pyro.infer import SVI, Predictive, Trace_ELBO
 
-from pyro_hier import AutoBranchGuide
+from pyro_hier import AutoBranchGuide, AutoHierarchicalVM, AutoPlateAmortizedFlow
 from pyro_hier.problems import radon_mn
 
-STEPS = 800
 
-
-def test_default_branch_guide_in_the_users_loop_on_radon():
+def fit_in_the_users_loop(make: Callable, *, steps: int, lr: float, draws: int, parallel: bool):
+    """The final loss, and the largest |E_q − E_ref| / sd_ref and sd_q / sd_ref over every latent element."""
     problem = radon_mn(prior="uniform")
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
-    guide = AutoBranchGuide(problem.model)
-    optim = pyro.optim.ClippedAdam({"lr": 0.03, "lrd": 0.1 ** (1 / STEPS)})
+    guide = make(problem.model)
+    optim = pyro.optim.ClippedAdam({"lr": lr, "lrd": 0.1 ** (1 / steps)})
     svi = SVI(problem.model, guide, optim, Trace_ELBO())
-    for _ in range(STEPS):
+    for _ in range(steps):
         loss = svi.step(*problem.args, **problem.kwargs)
-    assert torch.isfinite(torch.tensor(loss))
     sites = list(problem.moments)
     with torch.no_grad():
-        draws = Predictive(problem.model, guide=guide, num_samples=1000, return_sites=sites)(
+        samples = Predictive(problem.model, guide=guide, num_samples=draws, parallel=parallel, return_sites=sites)(
             *problem.args, **problem.kwargs
         )
-    worst = 0.0
+    errors, ratios = [], []
     for name, ref in problem.moments.items():
-        mean = draws[name].double().mean(0).reshape(ref.mean.shape)
-        worst = max(worst, float(((mean - ref.mean) / ref.sd).abs().max()))
-    assert worst < 1.2, worst
+        v = samples[name].double().reshape((draws, *ref.mean.shape))
+        errors.append(float(((v.mean(0) - ref.mean) / ref.sd).abs().max()))
+        ratios.append(float((v.std(0) / ref.sd).max()))
+    return loss, max(errors), max(ratios)
+
+
+def test_default_branch_guide_in_the_users_loop_on_radon():
+    loss, error, _ = fit_in_the_users_loop(AutoBranchGuide, steps=800, lr=0.03, draws=1000, parallel=False)
+    assert math.isfinite(loss)
+    assert error < 1.2, error
+
+
+def test_default_hierarchical_vm_in_the_users_loop_on_radon():
+    loss, error, ratio = fit_in_the_users_loop(AutoHierarchicalVM, steps=500, lr=0.05, draws=500, parallel=True)
+    assert math.isfinite(loss) and loss < 1200  # the posterior's -ELBO is about 1090
+    assert error < 12.0
+    assert ratio < 3.5
+
+
+def test_default_plate_amortized_flow_in_the_users_loop_on_radon():
+    loss, error, ratio = fit_in_the_users_loop(AutoPlateAmortizedFlow, steps=500, lr=0.05, draws=500, parallel=True)
+    assert math.isfinite(loss) and loss < 1200  # the posterior's -ELBO is about 1090
+    assert error < 4.5
+    assert ratio < 3.0
