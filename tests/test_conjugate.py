@@ -1,0 +1,108 @@
+"""pyro_hier.conjugate against closed forms: Gaussian priors read from distributions, the captured prior conditional
+at given parents, the curvature of a Gaussian likelihood, the conjugate update at its reference, and the
+precision-to-covariance factor; pyro_hier.optim.tail_average_update against its recursion."""
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from torch.distributions import constraints
+
+from pyro_hier.conjugate import (
+    GaussianPrior,
+    capture_priors,
+    conjugate_conditional,
+    element_curvature,
+    gaussian_prior,
+    precision_to_scale_tril,
+)
+from pyro_hier.optim import tail_average_update
+
+
+def test_gaussian_priors_are_recognised_in_unconstrained_space_and_others_are_not():
+    normal = gaussian_prior(dist.Normal(torch.tensor([1.0, 2.0]), 0.5), constraints.real)
+    torch.testing.assert_close(normal.loc, torch.tensor([[1.0], [2.0]]))
+    torch.testing.assert_close(normal.precision, torch.full((2, 1), 4.0))
+    lognormal = gaussian_prior(dist.LogNormal(0.3, 2.0).expand([3]), constraints.positive)
+    torch.testing.assert_close(lognormal.precision, torch.full((3, 1), 0.25))
+    cov = torch.tensor([[2.0, 0.5], [0.5, 1.0]])
+    mvn = gaussian_prior(dist.MultivariateNormal(torch.zeros(2), cov), constraints.real_vector)
+    torch.testing.assert_close(mvn.precision, torch.linalg.inv(cov))
+    assert gaussian_prior(dist.Gamma(2.0, 1.0), constraints.positive) is None
+    assert gaussian_prior(dist.Normal(0.0, 1.0), constraints.positive) is None  # (a truncated support)
+
+
+def test_capture_reads_the_prior_conditional_at_the_given_parents():
+    def model():
+        mu = pyro.sample("mu", dist.Normal(0.0, 10.0))
+        with pyro.plate("groups", 3):
+            pyro.sample("z", dist.Normal(mu, 2.0))
+            pyro.sample("never", dist.Normal(0.0, 1.0))
+
+    fns, _ = capture_priors(model, (), {}, {"mu": torch.tensor(1.5)}, ["z"])
+    prior = gaussian_prior(fns["z"], constraints.real)
+    torch.testing.assert_close(prior.loc, torch.full((3, 1), 1.5))
+    torch.testing.assert_close(prior.precision, torch.full((3, 1), 0.25))
+    with pytest.raises(RuntimeError, match="absent"):
+        capture_priors(model, (), {}, {}, ["absent"])
+
+
+def test_curvature_of_a_gaussian_likelihood_is_its_information():
+    """y_ij ~ N(z_i, σ²), n_i observations: the curvature of the rest of the model at z_i is n_i / σ² for any z."""
+    y = torch.tensor([[0.3, -1.0, 2.0, 0.5], [1.0, 1.0, 0.0, 0.0]])
+    mask = torch.tensor([[True, True, True, True], [True, True, False, False]])
+    sigma = 0.5
+
+    def model():
+        with pyro.plate("groups", 2, dim=-2):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            with pyro.plate("obs", 4, dim=-1), pyro.poutine.mask(mask=mask):
+                pyro.sample("y", dist.Normal(z, sigma), obs=y)
+
+    u = torch.tensor([[0.7], [-3.0]])
+    curvature = element_curvature(model, (), {}, {}, u, lambda v: {"z": v}, 1.0)
+    torch.testing.assert_close(curvature, torch.tensor([[[4 / sigma**2]], [[2 / sigma**2]]]))
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_the_conjugate_update_at_its_reference(dense):
+    """At the reference (prior = reference prior, no shift or stretch) q has the conditional mean ``mean`` and the
+    precision prior + L-scaled curvature: P = P0 + R L Lᵀ Rᵀ."""
+    p0 = torch.tensor([[2.0, 0.5]])
+    m0 = torch.tensor([[0.1, -0.2]])
+    mean = torch.tensor([[1.0, 3.0]])
+    if dense:
+        prior = GaussianPrior(m0, torch.diag_embed(p0))
+        root = torch.tensor([[[3.0, 0.0], [1.0, 2.0]]])
+        factor = torch.tensor([[[1.5, 0.0], [0.2, 0.5]]])
+        loc, scale_tril = conjugate_conditional(prior, m0, prior.precision, root, mean, factor)
+        precision = torch.diag_embed(p0) + root @ factor @ factor.mT @ root.mT
+        torch.testing.assert_close(scale_tril @ scale_tril.mT, torch.linalg.inv(precision))
+    else:
+        prior = GaussianPrior(m0, p0)
+        fisher_sd, factor = torch.tensor([[3.0, 0.1]]), torch.tensor([[1.5, 2.0]])
+        loc, sd = conjugate_conditional(prior, m0, p0, fisher_sd, mean, factor)
+        torch.testing.assert_close(sd, (p0 + (fisher_sd * factor) ** 2).rsqrt())
+    torch.testing.assert_close(loc, mean)
+
+
+def test_precision_to_scale_tril_is_a_lower_factor_of_the_covariance():
+    a = torch.randn(4, 3, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    precision = a @ a.mT + torch.eye(3, dtype=torch.float64)
+    tril = precision_to_scale_tril(precision)
+    assert torch.equal(tril, tril.tril())
+    torch.testing.assert_close(tril @ tril.mT, torch.linalg.inv(precision))
+
+
+def test_tail_average_follows_its_recursion_and_refuses_a_bad_fraction():
+    values = torch.arange(1.0, 21.0)
+    average = torch.zeros(())
+    expected = torch.zeros((), dtype=torch.float64)
+    for n, v in enumerate(values, start=1):
+        tail_average_update(average, v, n, 0.25)
+        beta = 1.0 / max(1.0, 0.25 * n)
+        expected = expected + beta * (float(v) - expected)
+    torch.testing.assert_close(average.double(), expected)
+    assert 14.0 < float(average) < 20.0  # about the last quarter of 1..20, not the mean of all (10.5)
+    with pytest.raises(ValueError, match="fraction"):
+        tail_average_update(average, values[0], 1, 1.5)
