@@ -666,6 +666,14 @@ def test_bad_options():
         AutoBranchGuide(toy_model, covariance="full")
     with pytest.raises(ValueError, match="init_scale"):
         AutoBranchGuide(toy_model, init_scale=0.0)
+    with pytest.raises(ValueError, match="conditional"):
+        AutoBranchGuide(toy_model, conditional="exact")
+    with pytest.raises(ValueError, match="num_summary_samples"):
+        AutoBranchGuide(toy_model, num_summary_samples=1)
+    conjugate = AutoBranchGuide(toy_model)
+    conjugate(toy_data())
+    with pytest.raises(ValueError, match="level 'groups' has the conjugate conditional.*conditional='linear'"):
+        conjugate.conditional("groups")
     with pytest.raises(ValueError, match="init_scale"):
         AutoPlateAmortizedFlow(toy_model, init_scale=-1.0)
 
