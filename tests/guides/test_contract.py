@@ -672,7 +672,7 @@ def test_bad_options():
         AutoBranchGuide(toy_model, num_summary_samples=1)
     conjugate = AutoBranchGuide(toy_model)
     conjugate(toy_data())
-    with pytest.raises(ValueError, match="level 'groups' has the conjugate conditional.*conditional='linear'"):
+    with pytest.raises(ValueError, match=r"level 'groups' has the conjugate conditional.*conditional='linear'"):
         conjugate.conditional("groups")
     with pytest.raises(ValueError, match="init_scale"):
         AutoPlateAmortizedFlow(toy_model, init_scale=-1.0)
