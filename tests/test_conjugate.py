@@ -1,6 +1,7 @@
 """pyro_hier.conjugate against closed forms: Gaussian priors read from distributions, the captured prior conditional
-at given parents, the curvature of a Gaussian likelihood, the conjugate update at its reference, and the
-precision-to-covariance factor; pyro_hier.optim.tail_average_update against its recursion."""
+at given parents, the gradient and curvature of a Gaussian likelihood, the conjugate update at its reference, a new
+reference that leaves q unchanged, the Newton start at the exact conditional mean, and the precision-to-covariance
+factor; pyro_hier.optim.tail_average_update against its recursion."""
 
 import pyro
 import pyro.distributions as dist
@@ -13,8 +14,11 @@ from pyro_hier.conjugate import (
     capture_priors,
     conjugate_conditional,
     element_curvature,
+    element_expansion,
     gaussian_prior,
+    newton_mean,
     precision_to_scale_tril,
+    rebase,
 )
 from pyro_hier.optim import tail_average_update
 
@@ -62,6 +66,56 @@ def test_curvature_of_a_gaussian_likelihood_is_its_information():
     u = torch.tensor([[0.7], [-3.0]])
     curvature = element_curvature(model, (), {}, {}, u, lambda v: {"z": v}, 1.0)
     torch.testing.assert_close(curvature, torch.tensor([[[4 / sigma**2]], [[2 / sigma**2]]]))
+
+
+def test_gradient_of_a_gaussian_likelihood_and_the_newton_start_at_the_exact_conditional_mean():
+    """y_ij ~ N(z_i, σ²), z_i ~ N(m, s²): the gradient of the rest at u is Σ_j (y_ij − u)/σ², and one Newton step from
+    any start lands on the exact posterior mean (m/s² + Σ_j y_ij/σ²) / (1/s² + n_i/σ²)."""
+    y = torch.tensor([[0.3, -1.0, 2.0], [1.0, 1.5, -0.5]], dtype=torch.float64)
+    sigma, m, s = 0.5, 0.4, 2.0
+
+    def model():
+        with pyro.plate("groups", 2, dim=-2):
+            z = pyro.sample("z", dist.Normal(m, s))
+            with pyro.plate("obs", 3, dim=-1):
+                pyro.sample("y", dist.Normal(z, sigma), obs=y)
+
+    u = torch.tensor([[0.7], [-3.0]], dtype=torch.float64)
+    gradient, curvature = element_expansion(model, (), {}, {}, u, lambda v: {"z": v}, 1.0)
+    torch.testing.assert_close(gradient, (y - u).sum(-1, keepdim=True) / sigma**2)
+    prior = GaussianPrior(torch.full_like(u, m), torch.full_like(u, s**-2))
+    start = newton_mean(prior, u, gradient, curvature.squeeze(-1).sqrt())
+    exact = (m / s**2 + y.sum(-1, keepdim=True) / sigma**2) / (1 / s**2 + 3 / sigma**2)
+    torch.testing.assert_close(start, exact)
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_a_new_reference_leaves_q_unchanged(dense):
+    """rebase moves (mean, factor) to another reference with the same q, at any value of the parents (any prior
+    conditional) and any shift or stretch of the pseudo-observation."""
+    g = torch.Generator().manual_seed(1)
+    d = 2
+    m_old, m_new, m_at = (torch.randn(3, d, generator=g, dtype=torch.float64) for _ in range(3))
+    mean = torch.randn(3, d, generator=g, dtype=torch.float64)
+    shift = torch.randn(3, d, generator=g, dtype=torch.float64)
+    stretch = 0.3 * torch.randn(3, d, generator=g, dtype=torch.float64)
+    if dense:
+        a = torch.randn(3, d, d, generator=g, dtype=torch.float64)
+        p_old, p_new, p_at = (x @ x.mT + torch.eye(d, dtype=torch.float64) for x in (a, a.flip(0), 2 * a))
+        r_old, r_new = (torch.linalg.cholesky(x) for x in (p_new + 3 * torch.eye(d), p_old + torch.eye(d)))
+        factor = torch.linalg.cholesky(p_at)
+    else:
+        p_old, p_new, p_at, r_old, r_new, factor = (
+            torch.rand(3, d, generator=g, dtype=torch.float64) + 0.5 for _ in range(6)
+        )
+    prior = GaussianPrior(m_at, p_at)
+    before = conjugate_conditional(prior, m_old, p_old, r_old, mean, factor, shift, stretch)
+    new_mean, new_factor = rebase((m_old, p_old, r_old), (m_new, p_new, r_new), mean, factor)
+    if dense:
+        assert torch.equal(new_factor, new_factor.tril()) and bool((new_factor.diagonal(dim1=-2, dim2=-1) > 0).all())
+    after = conjugate_conditional(prior, m_new, p_new, r_new, new_mean, new_factor, shift, stretch)
+    for x, y in zip(before, after, strict=True):
+        torch.testing.assert_close(x, y)
 
 
 @pytest.mark.parametrize("dense", [False, True])

@@ -14,7 +14,15 @@ from pyro.infer.autoguide.initialization import init_to_feasible
 from pyro.nn import PyroModule, PyroParam
 from torch.distributions import biject_to, constraints
 
-from pyro_hier.conjugate import GaussianPrior, capture_priors, conjugate_conditional, element_curvature, gaussian_prior
+from pyro_hier.conjugate import (
+    GaussianPrior,
+    capture_priors,
+    conjugate_conditional,
+    element_expansion,
+    gaussian_prior,
+    newton_mean,
+    rebase,
+)
 from pyro_hier.distributions import StickingTheLanding
 from pyro_hier.gather_maps import CallGathers, GatherMaps, full_call_gathers, full_data_call
 from pyro_hier.guides.base import HierarchicalGuide
@@ -28,7 +36,8 @@ __all__ = ["AutoBranchGuide"]
 
 _COVARIANCES = ("dense", "block", "diagonal")
 _CONDITIONALS = ("conjugate", "linear")
-#: training calls after which a conjugate level's reference (prior and curvature at the variational mean) is redone
+#: a conjugate level's reference (prior and expansion at the variational mean) is redone after this many training calls
+#: of its elements (on average over a call's elements)
 REFERENCE_EVERY = 10
 #: the reference curvature's eigenvalues are kept above this fraction of the prior conditional's precision: where the
 #: likelihood is flat or not log-concave (a group without data; a location and a log scale whose joint log likelihood
@@ -69,20 +78,21 @@ class AutoBranchGuide(HierarchicalGuide):
         q(u_{\ell,i} \mid \mathrm{pa}) \propto p(u_{\ell,i} \mid \mathrm{pa})\;
         \mathcal N\big(t_{\ell,i}(z);\ u_{\ell,i},\ \Lambda_{\ell,i}(z)^{-1}\big),
 
-    with :math:`z` the globals' standardised draw (``"dense"``: the pseudo-observation moves with the globals;
-    ``"block"``, ``"diagonal"``: it does not). This family contains the exact posterior conditional of Gaussian
-    hierarchies *whatever the globals are* — the funnel of a centred model included — where the linear conditional
-    can only be right near one value of the scale parameters. Each pseudo-observation starts at the likelihood's
-    own curvature (Laplace-style, computed from the model every ``REFERENCE_EVERY`` training calls), so a level
-    starts near its conditional posterior rather than at ``init_scale``. Sticking the landing (default ``None``) is
-    used for these levels, whose family can match the posterior, and not for the globals. The globals'
-    parameters are Polyak-averaged over the last quarter of the training calls (from their gradient hooks: any
-    loop, eager or JIT); calls without gradients (``Predictive``, ``median``, ``quantiles``) use the average. The
-    references, the call count and the averages are parameters without gradients, so the param store,
-    ``state_dict`` and pickling carry them. ``median``/``quantiles`` of conjugate levels (and levels below them)
-    are computed from ``num_summary_samples`` draws with a fixed seed; the globals' are exact. Under JIT ELBOs the
-    references are made on Pyro's first, untraced call and held. Levels that are not Gaussian given their parents,
-    and levels with enumerated parents, keep the linear conditional.
+    with :math:`\theta` the globals' draw (``"dense"``: the pseudo-observation moves with the globals, at the slopes
+    of the likelihood's own pseudo-observation, read from the model; ``"block"``, ``"diagonal"``: it does not). This
+    family contains the exact posterior conditional of Gaussian hierarchies *whatever the globals are* — the funnel
+    of a centred model included — where the linear conditional can only be right near one value of the scale
+    parameters. Each group starts at one Newton step to its conditional posterior mean, and its pseudo-observation
+    at the likelihood's own curvature (Laplace-style); the reference of both is redone every ``REFERENCE_EVERY`` of
+    the group's training calls with the parameters moved so that q does not change — so minibatches of groups train
+    as full-data steps do. Sticking the landing (default ``None``) is used for these levels, whose family can match
+    the posterior, and not for the globals. The globals' parameters are Polyak-averaged over the last quarter of the
+    training calls (from their gradient hooks: any loop, eager or JIT); calls without gradients (``Predictive``,
+    ``median``, ``quantiles``) use the average. The references, the call count and the averages are parameters
+    without gradients, so the param store, ``state_dict`` and pickling carry them. ``median``/``quantiles`` of
+    conjugate levels (and levels below them) are computed from ``num_summary_samples`` draws with a fixed seed; the
+    globals' are exact. Under JIT ELBOs the references are made on Pyro's first, untraced call and held. Levels that
+    are not Gaussian given their parents, and levels with enumerated parents, keep the linear conditional.
 
     In the issue-19 loop (ClippedAdam 0.01 → 0.001 over 5,000 steps, one particle, ``Predictive``), the default
     reaches a max posterior-mean error of 0.09–0.12 sd on Minnesota radon (both priors, 3 seeds; AutoNormal 0.66)
@@ -240,9 +250,9 @@ class AutoBranchGuide(HierarchicalGuide):
 
     def _setup_conjugate_level(self, level: PlateLevel, init: torch.Tensor) -> None:
         """Parameters and reference buffers of a conjugate level (see :mod:`pyro_hier.conjugate`): the conditional mean
-        at the reference ``locs``, the pseudo-observation's relative factor (``scales``: log of its diagonal, or
-        ``scale_trils``: its raw Cholesky factor, both 1 at the start), and for ``covariance="dense"`` the
-        dependences on the globals ``weights`` (shift) and ``stretches`` (log precision)."""
+        at the reference ``locs`` and the pseudo-observation's relative factor (``scales``: log of its diagonal, or
+        ``scale_trils``: its raw Cholesky factor, both 1 at the start). For ``covariance="dense"`` the references also
+        hold how the pseudo-observation moves with the globals (``slope``, ``stretch_slope``), read from the model."""
         d = level.numel
         setattr(self.locs, level.name, PyroParam(init, constraints.real, event_dim=1))
         if self._conjugate_diagonal(level):
@@ -250,22 +260,26 @@ class AutoBranchGuide(HierarchicalGuide):
         else:
             raw = init.new_zeros((*level.batch_shape, d, d))
             setattr(self.scale_trils, level.name, PyroParam(raw, constraints.real, event_dim=2))
-        d_g = self._global_level.numel if self._global_level is not None else 0
-        if self.covariance == "dense" and d_g:
-            for params in (self.weights, self.stretches):
-                setattr(params, level.name, PyroParam(init.new_zeros((*level.batch_shape, d, d_g)), event_dim=2))
         state = {
             "loc": init.new_zeros((*level.batch_shape, d)),
             "precision": init.new_ones((*level.batch_shape, d)),
             "fisher_sd": init.new_ones((*level.batch_shape, d)),
-            "call": init.new_full(tuple(level.batch_shape), -1.0),  # the training call that made it; -1: none yet
+            "visits": init.new_full(tuple(level.batch_shape), -1.0),  # training visits since it was made; -1: none yet
         }
+        if self._has_slopes(level):
+            d_g = self._global_level.numel
+            state["slope"] = init.new_zeros((*level.batch_shape, d, d_g))
+            state["stretch_slope"] = init.new_zeros((*level.batch_shape, d, d_g))
         if not self._conjugate_diagonal(level):
             state["precision"] = init.new_zeros((*level.batch_shape, d, d))
             state["fisher_sd"] = torch.eye(d, dtype=init.dtype, device=init.device).expand((*level.batch_shape, d, d))
             state["fisher_sd"] = state["fisher_sd"].clone()
         for key, value in state.items():
             setattr(self.references, f"{level.name}__{key}", PyroParam(value, constraints.real))
+
+    def _has_slopes(self, level: PlateLevel) -> bool:
+        """Whether a conjugate level's pseudo-observation moves with the globals (``covariance="dense"``)."""
+        return self.covariance == "dense" and self._global_level is not None and self._global_level is not level
 
     def _conjugate_diagonal(self, level: PlateLevel) -> bool:
         return self._is_diagonal(level) or level.numel == 1
@@ -276,9 +290,12 @@ class AutoBranchGuide(HierarchicalGuide):
             return value
         return select_elements(value, element_selection(plates, level.plates, level.dims), event_dim)
 
-    def _write_reference(self, level: PlateLevel, key: str, plates: dict, value: torch.Tensor, event_dim: int) -> None:
-        """Write ``value`` (the call's elements) into the full-size reference buffer at the call's elements."""
-        buffer = _state_tensor(getattr(self.references, f"{level.name}__{key}"))
+    def _write_elements(
+        self, params: PyroModule, key: str, level: PlateLevel, plates: dict, value: torch.Tensor, event_dim: int
+    ) -> None:
+        """Write ``value`` (the call's elements) into the full-size parameter ``params.key`` at the call's elements,
+        in place and without gradient (references, and conjugate levels' parameters on a new reference)."""
+        buffer = _state_tensor(getattr(params, key))
         index = _element_index(buffer, element_selection(plates, level.plates, level.dims), event_dim)
         buffer[index] = value.to(buffer.dtype).expand(buffer[index].shape)
 
@@ -287,15 +304,19 @@ class AutoBranchGuide(HierarchicalGuide):
 
     @torch.no_grad()
     def _refresh_references(self, args: tuple, kwargs: dict, plates: dict, training: bool) -> None:
-        """Redo the reference of the conjugate levels' elements of this call that have none yet, or one older than
-        :data:`REFERENCE_EVERY` training calls: the prior conditionals and the curvature of the rest of the model at
-        the globals' variational mean and every level's reference mean (:mod:`pyro_hier.conjugate`)."""
+        """Redo the reference of the conjugate levels' elements of this call when one has none yet, or when they have
+        been in :data:`REFERENCE_EVERY` training calls on average since theirs was made (a group of a minibatch is
+        thus redone after as many of its own visits as a group of full-data steps): the prior conditionals and the
+        expansion of the rest of the model at the globals' variational mean and every level's reference mean
+        (:mod:`pyro_hier.conjugate`). The level's parameters are moved to the new reference without changing q."""
         stale = []
         for name in self.conjugate_levels:
             level = self._levels[name]
-            last = self._reference(level, "call", plates, 0)
-            calls = int(self.references.training_calls.detach())
-            if bool((last < 0).any()) or (training and int(last.min()) <= calls - REFERENCE_EVERY):
+            visits = self._reference(level, "visits", plates, 0)
+            if training:
+                visits = torch.where(visits >= 0, visits + 1, visits)
+                self._write_elements(self.references, f"{name}__visits", level, plates, visits, 0)
+            if bool((visits < 0).any()) or (training and float(visits.mean()) >= REFERENCE_EVERY):
                 stale.append(level)
         if not stale:
             return
@@ -307,8 +328,7 @@ class AutoBranchGuide(HierarchicalGuide):
             if level is self._global_level and self._use_average():
                 centre = self.averages.loc.detach()
             centres[level.name] = centre
-            for site in level.sites:
-                values[site] = self._constrain(site, self._site_unconstrained(level, site, centre, broadcast=False))
+            values.update(self._level_values(level, centre))
         subsamples = _indices(plates)
         fns, _ = capture_priors(self.model, args, kwargs, values, [s for lv in stale for s in lv.sites], subsamples)
         for level in stale:
@@ -317,26 +337,132 @@ class AutoBranchGuide(HierarchicalGuide):
             scale = math.prod(self.structure.plates[p].size for p in level.plates) / max(
                 1, math.prod(_subsample_size(plates[p]) for p in level.plates)
             )
-
-            def to_values(u: torch.Tensor, level: PlateLevel = level) -> dict[str, torch.Tensor]:
-                return {
-                    site: self._constrain(site, self._site_unconstrained(level, site, u, broadcast=False))
-                    for site in level.sites
-                }
-
-            curvature = element_curvature(
-                self.model, args, kwargs, values, centres[level.name], to_values, scale, subsamples
-            )
             p0 = prior.precision if prior.diagonal else prior.precision.diagonal(dim1=-2, dim2=-1)
-            self._write_reference(level, "loc", plates, prior.loc, 1)
-            if diagonal:
-                info = curvature.diagonal(dim1=-2, dim2=-1).clamp(min=CURVATURE_FLOOR * p0)
-                self._write_reference(level, "precision", plates, p0, 1)
-                self._write_reference(level, "fisher_sd", plates, info.sqrt(), 1)
-            else:
-                self._write_reference(level, "precision", plates, prior.full_precision(), 2)
-                self._write_reference(level, "fisher_sd", plates, _psd_root(curvature, CURVATURE_FLOOR * p0), 2)
-            self._write_reference(level, "call", plates, prior.loc.new_full(prior.loc.shape[:-1], calls), 0)
+            floor = CURVATURE_FLOOR * p0
+
+            def expand(at: dict, level: PlateLevel = level, scale: float = scale):
+                return element_expansion(
+                    self.model,
+                    args,
+                    kwargs,
+                    at,
+                    centres[level.name],
+                    lambda u: self._level_values(level, u),
+                    scale,
+                    subsamples,
+                )
+
+            gradient, curvature = expand(values)
+            root = (
+                _psd_root(curvature, floor) if not diagonal else curvature.diagonal(dim1=-2, dim2=-1).clamp(min=floor)
+            )
+            root = root if not diagonal else root.sqrt()
+            old = tuple(self._reference(level, key, plates, 1 if diagonal else 2) for key in ("precision", "fisher_sd"))
+            old = (self._reference(level, "loc", plates, 1), *old)
+            had = self._reference(level, "visits", plates, 0) >= 0
+            new = (prior.loc, p0 if diagonal else prior.full_precision(), root)
+            self._rebase_level(level, plates, old, new, had, prior, centres[level.name], gradient)
+            if not bool(had.all()):  # the next levels' expansions see this one's new start (crossed effects)
+                centres[level.name] = self._element_param(self.locs, level, plates, 1).detach()
+                values.update(self._level_values(level, centres[level.name]))
+            if self._has_slopes(level):
+                slope, stretch_slope = self._pseudo_observation_slopes(level, values, centres, plates, floor, expand)
+                self._write_elements(self.references, f"{level.name}__slope", level, plates, slope, 2)
+                self._write_elements(self.references, f"{level.name}__stretch_slope", level, plates, stretch_slope, 2)
+            for key, value in zip(("loc", "precision", "fisher_sd"), new, strict=True):
+                event_dim = 1 if diagonal or key == "loc" else 2
+                self._write_elements(self.references, f"{level.name}__{key}", level, plates, value, event_dim)
+            self._write_elements(
+                self.references, f"{level.name}__visits", level, plates, torch.zeros_like(had, dtype=prior.loc.dtype), 0
+            )
+
+    def _level_values(self, level: PlateLevel, u: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The constrained values of a level's sites at its unconstrained element vectors ``u``."""
+        return {
+            site: self._constrain(site, self._site_unconstrained(level, site, u, broadcast=False))
+            for site in level.sites
+        }
+
+    def _pseudo_observation_slopes(
+        self, level: PlateLevel, values: dict, centres: dict, plates: dict, floor: torch.Tensor, expand: Callable
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        r"""How the likelihood's own Gaussian pseudo-observation of each element moves with the globals, read from the
+        model: its target :math:`t(\theta) = c + F(\theta)^{-1} g(\theta)` (one Newton step of the rest of the model
+        from the element's reference mean ``c``) and the log of its precision's diagonal, by central differences
+        over :math:`\pm\sqrt3` sds of each global coordinate under q — the three-point Gauss–Hermite rule for
+        :math:`E_q[\partial t / \partial \theta]` (Stein's lemma: the least-squares slope under q, steeper than the
+        derivative at the mean where t is convex, as :math:`1/\tau` in a non-centred model) —
+        ``(slope (..., d, d_g), stretch_slope (..., d, d_g))`` per unit of the globals' unconstrained value. For a
+        Gaussian likelihood both are exact (radon: the county's mean residual moves with the floor effect, its
+        precision with the noise scale). The conjugate levels before this
+        one are moved along their own slopes meanwhile (crossed effects: when the grand mean rises, the row effects'
+        fall takes up the data's residual, and the column effects' do not fall by as much again)."""
+        assert self._global_level is not None
+        glob = self._global_level
+        centre = centres[level.name]
+        loc, _, scale = self._level_params(glob, None)
+        loc, sd = loc.detach(), self._row_scale(glob, scale).detach() * math.sqrt(3.0)  # (the rule's nodes)
+        earlier = [
+            lv
+            for lv in self.levels[: self.levels.index(level)]
+            if lv.name in self.conjugate_levels and self._has_slopes(lv)
+        ]
+        diagonal = self._conjugate_diagonal(level)
+        targets, logs = [], []
+        for k in range(glob.numel):
+            pair = []
+            for sign in (1.0, -1.0):
+                shifted = loc.clone()
+                shifted[..., k] += sign * sd[..., k]
+                moved = {**values, **self._level_values(glob, shifted)}
+                for lv in earlier:
+                    step = self._reference(lv, "slope", plates, 2)[..., k] * (sign * sd[..., k])
+                    moved.update(self._level_values(lv, centres[lv.name] + step))
+                gradient, curvature = expand(moved)
+                if diagonal:
+                    info = curvature.diagonal(dim1=-2, dim2=-1).clamp(min=floor)
+                    pair.append((centre + gradient / info, info.log()))
+                else:
+                    root = _psd_root(curvature, floor)
+                    step = torch.cholesky_solve(gradient.unsqueeze(-1), root).squeeze(-1)
+                    pair.append((centre + step, (root @ root.mT).diagonal(dim1=-2, dim2=-1).log()))
+            targets.append((pair[0][0] - pair[1][0]) / (2 * sd[..., k]))
+            logs.append((pair[0][1] - pair[1][1]) / (4 * sd[..., k]))  # log √Λ moves by half the log precision
+        return torch.stack(targets, -1), torch.stack(logs, -1)
+
+    def _rebase_level(
+        self,
+        level: PlateLevel,
+        plates: dict,
+        old: tuple,
+        new: tuple,
+        had: torch.Tensor,
+        prior: GaussianPrior,
+        centre: torch.Tensor,
+        gradient: torch.Tensor,
+    ) -> None:
+        """Move a conjugate level's parameters (of this call's elements) to a new reference: elements that had one
+        keep their q exactly (:func:`~pyro_hier.conjugate.rebase`); elements seen for the first time start at one
+        Newton step from their initial value (:func:`~pyro_hier.conjugate.newton_mean`) with the likelihood's own
+        curvature."""
+        diagonal = self._conjugate_diagonal(level)
+        raw = self.scales if diagonal else self.scale_trils
+        mean = self._element_param(self.locs, level, plates, 1).detach()
+        factor_raw = self._element_param(raw, level, plates, 1 if diagonal else 2).detach()
+        factor = positive(factor_raw) if diagonal else scale_tril_from_raw(factor_raw)
+        mean_out, raw_out = mean, factor_raw
+        if bool(had.any()):
+            moved, refactor = rebase(old, new, mean, factor)
+            keep = had.unsqueeze(-1)
+            mean_out = torch.where(keep, moved, mean_out)
+            refactor = positive_inv(refactor) if diagonal else raw_from_scale_tril(refactor)
+            raw_out = torch.where(keep if diagonal else keep.unsqueeze(-1), refactor, raw_out)
+        if not bool(had.all()):
+            started = newton_mean(prior, centre, gradient, new[2])
+            fresh = (~had).unsqueeze(-1) & torch.isfinite(started)
+            mean_out = torch.where(fresh, started, mean_out)
+        self._write_elements(self.locs, level.name, level, plates, mean_out, 1)
+        self._write_elements(raw, level.name, level, plates, raw_out, 1 if diagonal else 2)
 
     def _level_prior(self, level: PlateLevel, fns: dict) -> GaussianPrior:
         assert self.structure is not None
@@ -372,37 +498,32 @@ class AutoBranchGuide(HierarchicalGuide):
             factor = positive(self._element_param(self.scales, level, plates, 1))
         else:
             factor = scale_tril_from_raw(self._element_param(self.scale_trils, level, plates, 2))
-        shift_w = stretch_w = z = z_fixed = None
-        if hasattr(self.weights, level.name) and level.name in self.conjugate_levels and self._global_level is not None:
-            shift_w = self._element_param(self.weights, level, plates, 2)
-            stretch_w = self._element_param(self.stretches, level, plates, 2)
-            z, z_fixed = self._standardised_globals(values[self._global_level.name])
+        slopes = deltas = None
+        if self._has_slopes(level):
+            slopes = (self._reference(level, "slope", plates, 2), self._reference(level, "stretch_slope", plates, 2))
+            deltas = self._global_deviation(values[self._global_level.name])
 
-        def build(mean, factor, shift_w=None, stretch_w=None, z=z):
-            shift = stretch = None
-            if shift_w is not None:
-                shift = (shift_w @ z.unsqueeze(-1)).squeeze(-1)
-                stretch = (stretch_w @ z.unsqueeze(-1)).squeeze(-1)
-            loc, scale = conjugate_conditional(prior, *refs, mean, factor, shift, stretch)
+        def build(mean, factor, delta=None if deltas is None else deltas[0]):
+            moves = [None, None]
+            if slopes is not None:
+                moves = [(slope @ delta.unsqueeze(-1)).squeeze(-1) for slope in slopes]
+            loc, scale = conjugate_conditional(prior, *refs, mean, factor, *moves)
             if diagonal:
                 return dist.Normal(loc, scale).to_event(1)
             return dist.MultivariateNormal(loc, scale_tril=scale)
 
-        q = build(mean, factor, shift_w, stretch_w)
+        q = build(mean, factor)
         if self.stick_the_landing is False:
             return q
-        detached = [None if t is None else t.detach() for t in (mean, factor, shift_w, stretch_w)]
-        return StickingTheLanding(q, build(*detached, z=z_fixed))
+        return StickingTheLanding(q, build(mean.detach(), factor.detach(), None if deltas is None else deltas[1]))
 
-    def _standardised_globals(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The globals' draw ``u (..., d_g)`` standardised by q's mean and sd, ``(u - mean) / sd``: the globals'
-        base noise, so that the pseudo-observation's slopes add no spread to the groups that narrowing q over the
-        globals would remove; with the parameters live (the family's) and detached (the scorer of sticking the
-        landing, whose density must not depend on the variational parameters)."""
+    def _global_deviation(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The globals' draw ``u (..., d_g)`` less q's mean: with the mean live (the family's: ``u - mean`` is the
+        globals' scaled base noise) and detached (the scorer of sticking the landing, whose density must not depend on
+        the variational parameters)."""
         assert self._global_level is not None
-        loc, _, scale = self._level_params(self._global_level, None)
-        sd = self._row_scale(self._global_level, scale)
-        return (u - loc) / sd, (u - loc.detach()) / sd.detach()
+        loc = self._level_params(self._global_level, None)[0]
+        return u - loc, u - loc.detach()
 
     def _gathered_data(self, structure: ModelStructure) -> list[tuple[str, str]]:
         """``(site, plate)`` pairs whose gathers the guide reads besides its levels' links (a hook: the amortized
@@ -468,7 +589,7 @@ class AutoBranchGuide(HierarchicalGuide):
             self._gathers = None
 
     def _is_conditional(self, level: PlateLevel) -> bool:
-        return self.covariance == "dense" and bool(level.ancestors)
+        return self.covariance == "dense" and bool(level.ancestors) and level.name not in self.conjugate_levels
 
     def _ancestor_numel(self, level: PlateLevel) -> int:
         return sum(self._levels[a].numel for a in level.ancestors)

@@ -210,6 +210,26 @@ def test_groups_outside_the_minibatch_are_untouched(regression, optim):
             assert not torch.equal(value, before[name]), name
 
 
+def test_minibatches_of_groups_reach_the_exact_posterior():
+    """The default (conjugate) guide in a user's minibatch loop: 20 of 200 groups a step, one particle, Adam 0.01,
+    600 steps, so that each group is seen in about 60 steps. Groups start at their Newton step and keep q across
+    references, so the globals cannot run ahead of groups the optimiser has not reached yet (measured: 0.024
+    nats/group, θ within 1 sd; the linear conditional 18 nats/group and 15 sd; the conjugate family with learnt
+    slopes and q moved by each new reference 19 nats/group)."""
+    n = 200
+    p = synthetic_regression(num_groups=n, num_obs=20, dim=3, seed=0)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoBranchGuide(p.model)
+    svi = SVI(p.model, guide, pyro.optim.Adam({"lr": 0.01}), Trace_ELBO())
+    for _ in range(600):
+        svi.step(*p.args, subsample=torch.randperm(n)[:20])
+    theta = guide.median(*p.args)["theta"].double()
+    assert ((theta - p.theta_mean).abs() / p.theta_cov.diagonal().sqrt()).max() < 3
+    elbo, se = elbo_estimate(p.model, guide, p.args, num_particles=200)
+    assert (p.log_evidence - elbo) / n < 0.1, (p.log_evidence, elbo, se)
+
+
 def test_model_indices_are_honoured(regression):
     """With (almost) zero scales the guide returns each group's mean: the rows must be the ones the model asked for,
     in the model's order (Pyro's autoguides would draw their own rows, pyro-ppl/pyro#3468)."""
@@ -239,9 +259,10 @@ def test_three_level_model_fits():
 
 def test_crossed_model_fits():
     """Rows × cols: given mu the row and column effects are correlated in the posterior, which a branch family (each
-    conditioned on mu only) cannot express, so the gap has a floor (measured 0.71 nats after 1,000 steps)."""
+    conditioned on mu only) cannot express, so the gap has a floor (measured 0.98 nats after 1,500 steps: the
+    pseudo-observations' slopes on mu, read from the model, split mu's residual between rows and columns unevenly)."""
     p = crossed_effects()
     guide = fit(p, AutoBranchGuide(p.model), steps=1500, particles=4)
     elbo, se = elbo_estimate(p.model, guide, p.args, p.kwargs, num_particles=1000)
-    assert p.log_evidence - elbo < 1.0, (p.log_evidence, elbo, se)
+    assert p.log_evidence - elbo < 1.2, (p.log_evidence, elbo, se)
     assert elbo - p.log_evidence < 4 * se
