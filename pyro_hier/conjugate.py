@@ -29,16 +29,18 @@ prior conditional :math:`(\bar m_0, \bar P_0)` and the curvature :math:`\bar F_i
 
     \bar\Lambda_i = D_i L_i L_i^\top D_i,\quad D_i = \operatorname{diag}(\bar F_i)^{1/2}, \qquad
     \Lambda_i(\theta) = E\,\bar\Lambda_i\,E,\quad E = \operatorname{diag}(e^{C_i (\theta - \bar\theta)}), \\
-    t_i(\theta) = \bar m_0 + \bar\Lambda_i^{-1} (\bar P_0 + \bar\Lambda_i)(\bar M_i - \bar m_0)
+    (\Lambda t)_i(\theta) = \bar\Lambda_i \bar m_0 + (\bar P_0 + \bar\Lambda_i)(\bar M_i - \bar m_0)
         + B_i (\theta - \bar\theta).
 
 The free parameters are :math:`\bar M_i` (the conditional mean at the reference: a step moves it one for one) and
 :math:`L_i` (unit at the start, so the pseudo-observation starts with the likelihood's own Fisher information,
 Laplace-style, and only learns a correction). :math:`B_i, C_i` (``covariance="dense"``) are not learnt: they are how
-the likelihood's own Gaussian pseudo-observation moves with the globals, read from the model by central differences
-(radon: the county's mean residual moves with the floor effect, its precision with the noise scale; exact for a
-Gaussian likelihood). Learnt slopes, one set per group, random-walked under one-particle noise — worst when each
-group is seen in a few steps only — and collapsed radon's county scale at Adam's rate 0.05.
+the likelihood's own Gaussian expansion — its natural parameter :math:`F c + g` and the log of its precision's
+diagonal — moves with the globals, read from the model by central differences (radon: the county's summed residual
+moves with the floor effect, its precision with the noise scale). The shift acts on the natural parameter, so no
+curvature is inverted: where the likelihood is nearly flat in some direction the shift moves the mean by at most
+the prior's scale. Learnt slopes, one set per group, random-walked under one-particle noise — worst when each group
+is seen in a few steps only — and collapsed radon's county scale at Adam's rate 0.05.
 
 The reference is redone every few steps of each group, and the parameters are moved with it so that :math:`q` stays
 the same (:func:`rebase`): the reference is a change of coordinates, not of family. A group seen for the first time
@@ -317,35 +319,37 @@ def conjugate_conditional(
         independent coordinates, or its lower Cholesky factor ``(..., d, d)``.
     :param mean: :math:`\bar M`, the conditional mean at the reference.
     :param factor: :math:`L` (``(..., d, d)``, lower triangular with a positive diagonal) or its diagonal ``(..., d)``.
-    :param shift: :math:`B (\theta - \bar\theta)` (``(..., d)``) or ``None``.
-    :param log_stretch: :math:`C (\theta - \bar\theta)` (``(..., d)``) or ``None``.
+    :param shift: :math:`B (\theta - \bar\theta)` (``(..., d)``), added to the pseudo-observation's natural
+        parameter :math:`\Lambda t`, or ``None``.
+    :param log_stretch: :math:`C (\theta - \bar\theta)` (``(..., d)``), the log of its precision's stretch, or
+        ``None``.
     """
     if factor.dim() == mean.dim():  # independent coordinates: everything elementwise
         lam_ref = (fisher_sd * factor).pow(2)
         p_ref = ref_precision if ref_precision.dim() == mean.dim() else ref_precision.diagonal(dim1=-2, dim2=-1)
-        stretch = 1.0 if log_stretch is None else (2 * log_stretch).exp()
-        lam = lam_ref * stretch
+        lam = lam_ref if log_stretch is None else lam_ref * (2 * log_stretch).exp()
         p0 = prior.precision if prior.diagonal else prior.precision.diagonal(dim1=-2, dim2=-1)
-        eta = p0 * prior.loc + lam * ref_loc + stretch * (p_ref + lam_ref) * (mean - ref_loc)
+        eta = p0 * prior.loc + lam_ref * ref_loc + (p_ref + lam_ref) * (mean - ref_loc)
         if shift is not None:
-            eta = eta + lam * shift
+            eta = eta + shift
         precision = p0 + lam
         return eta / precision, precision.rsqrt()
     # R L with R the reference curvature's Cholesky factor (its sds when only those are kept): Λ̄ = R L LᵀRᵀ
     root = _root(fisher_sd, factor, mean)
     lam_ref = root @ root.mT
     p_ref = ref_precision if ref_precision.dim() > mean.dim() else torch.diag_embed(ref_precision)
-    delta = ((p_ref + lam_ref) @ (mean - ref_loc).unsqueeze(-1)).squeeze(-1)
-    t_ref = ref_loc + torch.cholesky_solve(delta.unsqueeze(-1), root).squeeze(-1)
+    # Λ̄ t̄ = Λ̄ m̄0 + (P̄0 + Λ̄)(M̄ − m̄0)
+    natural = (lam_ref @ ref_loc.unsqueeze(-1) + (p_ref + lam_ref) @ (mean - ref_loc).unsqueeze(-1)).squeeze(-1)
+    if shift is not None:
+        natural = natural + shift
     if log_stretch is not None:
         e = log_stretch.exp()
         lam = e.unsqueeze(-1) * lam_ref * e.unsqueeze(-2)
     else:
         lam = lam_ref
-    target = t_ref if shift is None else t_ref + shift
     p0 = prior.full_precision()
     precision = p0 + lam
-    eta = (p0 @ prior.loc.unsqueeze(-1) + lam @ target.unsqueeze(-1)).squeeze(-1)
+    eta = (p0 @ prior.loc.unsqueeze(-1)).squeeze(-1) + natural
     chol = torch.linalg.cholesky(precision)
     loc = torch.cholesky_solve(eta.unsqueeze(-1), chol).squeeze(-1)
     return loc, precision_to_scale_tril(precision)

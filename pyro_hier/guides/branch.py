@@ -383,27 +383,39 @@ class AutoBranchGuide(HierarchicalGuide):
             for site in level.sites
         }
 
+    def _mean_slope(self, level: PlateLevel, plates: dict) -> torch.Tensor:
+        """How a conjugate level's conditional mean moves with the globals through its pseudo-observation's shift at
+        the reference, :math:`(\bar P_0 + \bar F)^{-1} B`: ``(..., d, d_g)``."""
+        diagonal = self._conjugate_diagonal(level)
+        slope = self._reference(level, "slope", plates, 2)
+        p0 = self._reference(level, "precision", plates, 1 if diagonal else 2)
+        root = self._reference(level, "fisher_sd", plates, 1 if diagonal else 2)
+        if diagonal:
+            return slope / (p0 + root.pow(2)).unsqueeze(-1)
+        return torch.linalg.solve(p0 + root @ root.mT, slope)
+
     def _pseudo_observation_slopes(
         self, level: PlateLevel, values: dict, centres: dict, plates: dict, floor: torch.Tensor, expand: Callable
     ) -> tuple[torch.Tensor, torch.Tensor]:
         r"""How the likelihood's own Gaussian pseudo-observation of each element moves with the globals, read from the
-        model: its target :math:`t(\theta) = c + F(\theta)^{-1} g(\theta)` (one Newton step of the rest of the model
-        from the element's reference mean ``c``) and the log of its precision's diagonal, by central differences
-        over :math:`\pm\sqrt3` sds of each global coordinate under q — the three-point Gauss–Hermite rule for
-        :math:`E_q[\partial t / \partial \theta]` (Stein's lemma: the least-squares slope under q, steeper than the
-        derivative at the mean where t is convex, as :math:`1/\tau` in a non-centred model) —
+        model: its natural parameter :math:`(\Lambda t)(\theta) = F(\theta)\,c + g(\theta)` (the rest of the model's
+        curvature and gradient at the element's reference mean ``c``) and the log of its precision's diagonal, by
+        central differences over :math:`\pm\sqrt3` sds of each global coordinate under q — the three-point
+        Gauss–Hermite rule for :math:`E_q[\partial (\Lambda t) / \partial \theta]` (Stein's lemma: the
+        least-squares slope under q, steeper than the derivative at the mean where the function is convex) —
         ``(slope (..., d, d_g), stretch_slope (..., d, d_g))`` per unit of the globals' unconstrained value. For a
-        Gaussian likelihood both are exact (radon: the county's mean residual moves with the floor effect, its
-        precision with the noise scale). The conjugate levels before this
-        one are moved along their own slopes meanwhile (crossed effects: when the grand mean rises, the row effects'
-        fall takes up the data's residual, and the column effects' do not fall by as much again)."""
+        Gaussian likelihood the first is exact in the globals that enter its mean linearly, and the second in its log
+        noise scale (radon: the county's summed residual moves with the floor effect, its precision with the
+        noise scale). The conjugate levels before this one are moved along their own slopes meanwhile (crossed
+        effects: when the grand mean rises, the row effects' fall takes up the data's residual, and the column
+        effects' do not fall by as much again)."""
         assert self._global_level is not None
         glob = self._global_level
         centre = centres[level.name]
         loc, _, scale = self._level_params(glob, None)
         loc, sd = loc.detach(), self._row_scale(glob, scale).detach() * math.sqrt(3.0)  # (the rule's nodes)
         earlier = [
-            lv
+            (lv, self._mean_slope(lv, plates))
             for lv in self.levels[: self.levels.index(level)]
             if lv.name in self.conjugate_levels and self._has_slopes(lv)
         ]
@@ -415,17 +427,14 @@ class AutoBranchGuide(HierarchicalGuide):
                 shifted = loc.clone()
                 shifted[..., k] += sign * sd[..., k]
                 moved = {**values, **self._level_values(glob, shifted)}
-                for lv in earlier:
-                    step = self._reference(lv, "slope", plates, 2)[..., k] * (sign * sd[..., k])
-                    moved.update(self._level_values(lv, centres[lv.name] + step))
+                for lv, mean_slope in earlier:
+                    moved.update(self._level_values(lv, centres[lv.name] + mean_slope[..., k] * (sign * sd[..., k])))
                 gradient, curvature = expand(moved)
+                natural = (curvature @ centre.unsqueeze(-1)).squeeze(-1) + gradient  # F c + g: Λt of the expansion
                 if diagonal:
-                    info = curvature.diagonal(dim1=-2, dim2=-1).clamp(min=floor)
-                    pair.append((centre + gradient / info, info.log()))
-                else:
-                    root = _psd_root(curvature, floor)
-                    step = torch.cholesky_solve(gradient.unsqueeze(-1), root).squeeze(-1)
-                    pair.append((centre + step, (root @ root.mT).diagonal(dim1=-2, dim2=-1).log()))
+                    natural = curvature.diagonal(dim1=-2, dim2=-1) * centre + gradient
+                info = curvature.diagonal(dim1=-2, dim2=-1).clamp(min=floor)
+                pair.append((natural, info.log()))
             targets.append((pair[0][0] - pair[1][0]) / (2 * sd[..., k]))
             logs.append((pair[0][1] - pair[1][1]) / (4 * sd[..., k]))  # log √Λ moves by half the log precision
         return torch.stack(targets, -1), torch.stack(logs, -1)

@@ -147,16 +147,19 @@ def twins(request):
 
 
 def perturbed_guide(make, model, args, kwargs, features, seed=0):
-    """A guide set up from ``seed`` with every parameter moved by the same (flattened) noise, so that the data and
-    every parameter matter."""
+    """A guide set up from ``seed`` with every free parameter moved by the same (flattened) noise, so that the data and
+    every parameter matter (the branch guide's references and averages are state, left as they are)."""
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
     guide = make(model, **({"local_features": features} if features is not None else {}))
     guide(*args, **kwargs)
     generator = torch.Generator().manual_seed(seed + 1)
+    state = {id(p) for p in getattr(guide, "state_parameters", dict)().values()}  # (references: not free)
     with torch.no_grad():
         for p in guide.parameters():
-            p.add_(0.05 * torch.randn(p.numel(), generator=generator, dtype=p.dtype).reshape(p.shape))
+            noise = 0.05 * torch.randn(p.numel(), generator=generator, dtype=p.dtype).reshape(p.shape)
+            if id(p) not in state:
+                p.add_(noise)
     return guide
 
 
