@@ -10,6 +10,7 @@ from contextlib import ExitStack, contextmanager
 import pyro
 import pyro.distributions as dist
 import torch
+from pyro import poutine
 from pyro.infer.autoguide.initialization import init_to_feasible
 from pyro.nn import PyroModule, PyroParam
 from torch.distributions import biject_to, constraints
@@ -376,6 +377,18 @@ class AutoBranchGuide(HierarchicalGuide):
                 self.references, f"{level.name}__visits", level, plates, torch.zeros_like(had, dtype=prior.loc.dtype), 0
             )
 
+    def _lacks_references(self, plates: dict) -> bool:
+        """Whether a conjugate level has elements with no reference yet while this call subsamples it. Its first such
+        call then makes every element's reference from the model's call on all the data, once: a compiled (JIT) loop
+        runs Python only on its first call, and in an eager one each group then starts at its Newton step before
+        the globals have moved far."""
+        for name in self.conjugate_levels:
+            level = self._levels[name]
+            subsampled = any(_subsample_size(plates[p]) < self.structure.plates[p].size for p in level.plates)
+            if subsampled and bool((getattr(self.references, f"{name}__visits").detach() < 0).any()):
+                return True
+        return False
+
     def _level_values(self, level: PlateLevel, u: torch.Tensor) -> dict[str, torch.Tensor]:
         """The constrained values of a level's sites at its unconstrained element vectors ``u``."""
         return {
@@ -731,6 +744,10 @@ class AutoBranchGuide(HierarchicalGuide):
         if training:
             self._attach_hooks()
         if self.conjugate_levels and not torch.jit.is_tracing():  # (JIT: made by Pyro's first, untraced run; held)
+            if self._lacks_references(plates):  # a minibatch first: every group's reference at once, from all the data
+                with poutine.block(), self._summary_call(args, kwargs) as (full_args, full_kwargs):
+                    full = self._create_plates(*full_args, **full_kwargs)
+                    self._refresh_references(full_args, full_kwargs, full, training=False)
             self._refresh_references(args, kwargs, plates, training)
         try:
             for level in self.levels:
