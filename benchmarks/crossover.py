@@ -77,7 +77,14 @@ SVI_SECONDS = {100: 60.0, 1000: 120.0, 10_000: 200.0, 100_000: 300.0}
 NUTS_SECONDS = {100: 600.0, 1000: 1200.0, 10_000: 1800.0, 100_000: 900.0}
 #: Pyro's NUTS is far slower per step: shorter budgets, enough to measure its seconds per iteration
 PYRO_NUTS_SECONDS = {100: 600.0, 1000: 900.0, 10_000: 300.0, 100_000: 300.0}
-GUIDES = ("branch-block", "branch-dense", "branch-diagonal", "amortized-linear", "amortized-natural")
+GUIDES = (
+    "branch-default",
+    "branch-block",
+    "branch-dense",
+    "branch-diagonal",
+    "amortized-linear",
+    "amortized-natural",
+)
 METHODS = ("guide", "autonormal", "numpyro", "pyro-nuts")
 
 
@@ -182,6 +189,8 @@ def make_guide(name: str, data: Data) -> torch.nn.Module:
 
         return AutoNormal(data.model, create_plates=plates)
     family, _, form = name.partition("-")
+    if name == "branch-default":  # AutoBranchGuide(model): the conjugate conditional, as a user builds it
+        return AutoBranchGuide(data.model)
     if family == "branch":
         # the linear conditional, as measured in benchmarks/README.md (issue 20). The conjugate default under
         # JitTrace_ELBO with minibatches of groups was tried at N = 1,000 (2026-11-25): max error 67 sd after 3.8 s of
@@ -406,6 +415,7 @@ def checkpoint_times(budget: float) -> list[float]:
 
 def guide_label(name: str) -> str:
     return {
+        "branch-default": "AutoBranchGuide (defaults)",
         "branch-block": "AutoBranchGuide block+STL",
         "branch-dense": "AutoBranchGuide dense+STL",
         "branch-diagonal": "AutoBranchGuide diagonal+STL",
