@@ -40,6 +40,9 @@ _CONDITIONALS = ("conjugate", "linear")
 #: a conjugate level's reference (prior and expansion at the variational mean) is redone after this many training calls
 #: of its elements (on average over a call's elements)
 REFERENCE_EVERY = 10
+#: of the references redone, one in this many also rereads the pseudo-observations' slopes on the globals (2 model
+#: expansions per global coordinate: the costliest part), and every first one
+SLOPES_EVERY = 5
 #: the reference curvature's eigenvalues are kept above this fraction of the prior conditional's precision: where the
 #: likelihood is flat or not log-concave (a group without data; a location and a log scale whose joint log likelihood
 #: is not concave) the pseudo-observation starts nearly uninformative, and its reference stays invertible in float32
@@ -202,6 +205,7 @@ class AutoBranchGuide(HierarchicalGuide):
         self.references = PyroModule()
         self.averages = PyroModule()
         self._hooked: dict[str, weakref.ref] = {}
+        self._refreshes: dict[str, int] = {}  # references redone per conjugate level (in this process)
         for level in self.levels:
             if level.name in self.conjugate_levels:
                 self._setup_conjugate_level(level, self._init_level(level))
@@ -368,7 +372,9 @@ class AutoBranchGuide(HierarchicalGuide):
             if not bool(had.all()):  # the next levels' expansions see this one's new start (crossed effects)
                 centres[level.name] = self._element_param(self.locs, level, plates, 1).detach()
                 values.update(self._level_values(level, centres[level.name]))
-            if self._has_slopes(level):
+            refreshes = self._refreshes.get(level.name, 0)
+            self._refreshes[level.name] = refreshes + 1
+            if self._has_slopes(level) and (refreshes % SLOPES_EVERY == 0 or not bool(had.all())):
                 slope, stretch_slope = self._pseudo_observation_slopes(level, values, centres, plates, floor, expand)
                 self._write_elements(self.references, f"{level.name}__slope", level, plates, slope, 2)
                 self._write_elements(self.references, f"{level.name}__stretch_slope", level, plates, stretch_slope, 2)
@@ -537,7 +543,7 @@ class AutoBranchGuide(HierarchicalGuide):
             return dist.MultivariateNormal(loc, scale_tril=scale)
 
         q = build(mean, factor)
-        if self.stick_the_landing is False:
+        if self.stick_the_landing is False or not torch.is_grad_enabled():  # (the scorer only changes gradients)
             return q
         return StickingTheLanding(q, build(mean.detach(), factor.detach(), None if deltas is None else deltas[1]))
 
