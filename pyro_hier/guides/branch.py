@@ -99,9 +99,9 @@ class AutoBranchGuide(HierarchicalGuide):
     are not Gaussian given their parents, and levels with enumerated parents, keep the linear conditional.
 
     In the issue-19 loop (ClippedAdam 0.01 → 0.001 over 5,000 steps, one particle, ``Predictive``, 3 seeds), the
-    default reaches a max posterior-mean error of at most 0.15 sd on Minnesota radon (both priors; AutoNormal 0.68),
-    0.11 on centred and 0.07 on non-centred eight schools (AutoNormal 1.19, 0.20), and 0.09 on radon at rate 0.05;
-    on minibatches of 100 of 1,000 groups of the synthetic regression, 0.44 nats/group from the exact evidence after
+    default reaches a max posterior-mean error of at most 0.13 sd on Minnesota radon (both priors; AutoNormal 0.68),
+    0.09 on centred and non-centred eight schools (AutoNormal 1.19, 0.20), and 0.09 on radon at rate 0.05;
+    on minibatches of 100 of 1,000 groups of the synthetic regression, 0.42 nats/group from the exact evidence after
     2,000 steps (``conditional="linear"``: 2.4); benchmarks/dropin.py, benchmarks/README.md.
 
     Sds (diagonals of Cholesky factors) are :math:`e^r` of free parameters (:func:`pyro_hier.transforms.positive`):
