@@ -215,6 +215,7 @@ class AutoBranchGuide(HierarchicalGuide):
         if prototype is not None:
             like = prototype.detach()
             self.references.training_calls = PyroParam(like.new_zeros(()), constraints.real)
+            _ = self.references.training_calls  # (read once: a trace of this call records the parameter, not its init)
             if self._global_level is not None:
                 for key, value in self._global_leaves().items():
                     setattr(self.averages, key, PyroParam(value.detach().clone(), constraints.real))
@@ -384,6 +385,12 @@ class AutoBranchGuide(HierarchicalGuide):
             self._write_elements(
                 self.references, f"{level.name}__visits", level, plates, torch.zeros_like(had, dtype=prior.loc.dtype), 0
             )
+
+    def _full_plates(self) -> dict[str, pyro.plate]:
+        """The conjugate levels' plates at full size (for the model's call on all the data)."""
+        assert self.structure is not None
+        names = dict.fromkeys(p for n in self.conjugate_levels for p in self._levels[n].plates)
+        return {n: pyro.plate(n, self.structure.plates[n].size, dim=self.structure.plates[n].dim) for n in names}
 
     def _lacks_references(self, plates: dict) -> bool:
         """Whether a conjugate level has elements with no reference yet while this call subsamples it. Its first such
@@ -754,8 +761,7 @@ class AutoBranchGuide(HierarchicalGuide):
         if self.conjugate_levels and not torch.jit.is_tracing():  # (JIT: made by Pyro's first, untraced run; held)
             if self._lacks_references(plates):  # a minibatch first: every group's reference at once, from all the data
                 with poutine.block(), self._summary_call(args, kwargs) as (full_args, full_kwargs):
-                    full = self._create_plates(*full_args, **full_kwargs)
-                    self._refresh_references(full_args, full_kwargs, full, training=False)
+                    self._refresh_references(full_args, full_kwargs, self._full_plates(), training=False)
             self._refresh_references(args, kwargs, plates, training)
         try:
             for level in self.levels:
@@ -823,14 +829,16 @@ class AutoBranchGuide(HierarchicalGuide):
 
     @torch.no_grad()
     def _after_backward(self, key: str, value: torch.Tensor) -> None:
-        """A gradient reached ``key``'s parameter: count the training call, or update that parameter's tail average."""
+        """A gradient reached ``key``'s parameter: count the training call, or update that parameter's tail average.
+        (The state is read as the raw tensors: this runs inside the step's backward pass, where reading a
+        ``PyroParam`` would be recorded by ``SVI``'s parameter capture without the unconstrained value it expects.)"""
         if key == "count":
-            _state_tensor(self.references.training_calls).add_(1)
-            if hasattr(self.averages, "count"):
-                _state_tensor(self.averages.count).add_(1)
+            _raw_state(self.references, "training_calls").add_(1)
+            if "count" in self.averages._pyro_params:
+                _raw_state(self.averages, "count").add_(1)
             return
-        count = int(self.averages.count.detach())
-        tail_average_update(_state_tensor(getattr(self.averages, key)), value, max(count, 1), TAIL_FRACTION)
+        count = int(_raw_state(self.averages, "count"))
+        tail_average_update(_raw_state(self.averages, key), value, max(count, 1), TAIL_FRACTION)
 
     def _use_average(self) -> bool:
         """Outside training (``Predictive``, ``median``, ``quantiles``, any call without gradients) the global level
@@ -988,6 +996,11 @@ def _state_tensor(value: torch.Tensor) -> torch.Tensor:
     """The param store's tensor behind a real-valued parameter (to be written in place)."""
     unconstrained = getattr(value, "unconstrained", None)
     return value if unconstrained is None else unconstrained()
+
+
+def _raw_state(module: PyroModule, name: str) -> torch.Tensor:
+    """The tensor behind ``module``'s real-valued ``PyroParam`` ``name``, read without Pyro seeing a parameter."""
+    return module.get_parameter(f"{name}_unconstrained")
 
 
 def _state_hook(guide: weakref.ref, key: str, value: torch.Tensor) -> None:
