@@ -204,6 +204,13 @@ def make_guide(name: str, data: Data) -> torch.nn.Module:
 
 
 def guide_means(guide: torch.nn.Module, args: tuple) -> tuple[np.ndarray, np.ndarray]:
+    if getattr(guide, "conjugate_levels", ()):  # no closed-form marginal: Rao–Blackwellised means, not draws' medians
+        with torch.no_grad():
+            moments = guide.level_moments(*args)
+        return (
+            moments["globals"][0].detach().to("cpu", torch.float64).numpy(),
+            moments["groups"][0].detach().to("cpu", torch.float64).reshape(args[0].shape[0], -1).numpy(),
+        )
     with torch.no_grad():
         median = guide.median(*args)  # the mean in unconstrained space, which is the mean here (real sites)
     return (

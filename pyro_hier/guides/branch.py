@@ -868,11 +868,49 @@ class AutoBranchGuide(HierarchicalGuide):
             return self._level_moments()
 
     def _drawn_level_moments(self, *args, **kwargs) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Mean and covariance of the levels' element vectors from ``num_summary_samples`` draws (conjugate levels
-        have no closed-form marginal)."""
+        r"""Mean and covariance of the levels' element vectors (conjugate levels have no closed-form marginal), from
+        ``num_summary_samples`` joint draws, Rao–Blackwellised: each level's Gaussian conditional :math:`q(u \mid
+        \mathrm{pa})` at the draws of its parents gives its mean :math:`m_s` and covariance :math:`C_s` exactly, and
+        :math:`E[u] = \overline{m_s}`, :math:`\mathrm{Cov}(u) = \overline{C_s} + \mathrm{Cov}_s(m_s)` (the law of
+        total variance) — the Monte Carlo error is only that of the parents' draws. (A model that cannot run batched
+        over the draws: from the draws themselves.)"""
         assert self.structure is not None
         with self._summary_call(args, kwargs) as (args, kwargs):
-            draws = self._summary_draws(args, kwargs)
+            self._require_setup(*args, **kwargs)
+            n = self.num_summary_samples
+            dim = -self.structure.max_plate_nesting - 1
+            tensor = next(iter(self.parameters()), None)
+            devices = [tensor.device] if tensor is not None and tensor.device.type == "cuda" else []
+            try:
+                with torch.random.fork_rng(devices=devices):
+                    torch.manual_seed(0)
+                    with poutine.block(), poutine.trace() as tr, pyro.plate("_pyro_hier_draws", n, dim=dim):
+                        self(*args, **kwargs)
+            except (ValueError, RuntimeError, IndexError):
+                return self._sampled_level_moments(self._summary_draws(args, kwargs))
+        out = {}
+        for level in self.levels:
+            site = tr.trace.nodes[f"_{self._pyro_name}_{level.name}_unconstrained"]
+            fn = site["fn"].sampler if isinstance(site["fn"], StickingTheLanding) else site["fn"]
+            while isinstance(fn, dist.Independent):
+                fn = fn.base_dist
+            shape = site["value"].shape
+            mean = fn.mean.expand(shape)
+            if isinstance(fn, torch.distributions.MultivariateNormal):
+                cov = fn.covariance_matrix.expand((*shape, shape[-1]))
+            else:
+                cov = torch.diag_embed(fn.variance.expand(shape))
+            batch = (n, *level.batch_shape, shape[-1])
+            mean, cov = mean.reshape(batch), cov.reshape((*batch, shape[-1]))
+            average = mean.mean(0)
+            centred = mean - average
+            spread = torch.einsum("s...i,s...j->...ij", centred, centred) / (n - 1)
+            out[level.name] = (average, cov.mean(0) + spread)
+        return out
+
+    def _sampled_level_moments(self, draws: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Mean and covariance of the levels' element vectors from joint draws of the latent sites."""
+        assert self.structure is not None
         out = {}
         for level in self.levels:
             parts = []
