@@ -16,6 +16,7 @@ from pyro_hier.conjugate import (
     element_curvature,
     element_expansion,
     gaussian_prior,
+    line_searched_mean,
     newton_mean,
     precision_to_scale_tril,
     rebase,
@@ -87,6 +88,44 @@ def test_gradient_of_a_gaussian_likelihood_and_the_newton_start_at_the_exact_con
     start = newton_mean(prior, u, gradient, curvature.squeeze(-1).sqrt())
     exact = (m / s**2 + y.sum(-1, keepdim=True) / sigma**2) / (1 / s**2 + 3 / sigma**2)
     torch.testing.assert_close(start, exact)
+
+    # a Gaussian likelihood: the Newton step is already the maximum along its direction, and is kept
+    def rest_gradient(v):
+        return element_expansion(model, (), {}, {}, v, lambda w: {"z": w}, 1.0)[0]
+
+    searched = line_searched_mean(prior, u, gradient, curvature.squeeze(-1).sqrt(), rest_gradient)
+    torch.testing.assert_close(searched, exact)
+
+
+def test_line_search_keeps_the_start_of_a_binomial_group_near_its_conditional_mode():
+    """y_i ~ Binomial(n, sigmoid(z_i)), z_i ~ N(0, 1), started at z = 0, where autograd's Hessian of the logistic
+    log-likelihood is 0 (its |x| terms): the plain Newton step, with only the prior's curvature, lands tens of sds away;
+    the line-searched one lands on the conditional mode (to the bisection's 1/256 of the step)."""
+    n = torch.tensor([[20.0], [30.0], [12.0]], dtype=torch.float64)
+    y = torch.tensor([[1.0], [29.0], [6.0]], dtype=torch.float64)
+
+    def model():
+        with pyro.plate("groups", 3, dim=-1):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([3, 1]).to_event(1))
+            pyro.sample("y", dist.Binomial(n, logits=z).to_event(1), obs=y)
+
+    u = torch.zeros(3, 1, dtype=torch.float64)
+    gradient, curvature = element_expansion(model, (), {}, {}, u, lambda v: {"z": v}, 1.0)
+    assert float(curvature.abs().max()) == 0.0  # the artefact the line search guards against
+    prior = GaussianPrior(torch.zeros_like(u), torch.ones_like(u))
+    root = curvature.squeeze(-1).clamp(min=1e-2).sqrt()
+    plain = newton_mean(prior, u, gradient, root)
+    assert float(plain.abs().max()) > 10.0
+
+    def rest_gradient(v):
+        return element_expansion(model, (), {}, {}, v, lambda w: {"z": w}, 1.0)[0]
+
+    searched = line_searched_mean(prior, u, gradient, root, rest_gradient)
+    mode = u.clone()  # the exact conditional mode, by Newton's method with the true curvature
+    for _ in range(50):
+        p = torch.sigmoid(mode)
+        mode = mode + (y - n * p - mode) / (n * p * (1 - p) + 1)
+    torch.testing.assert_close(searched, mode, atol=float((plain - u).abs().max()) / 256, rtol=0)
 
 
 @pytest.mark.parametrize("dense", [False, True])

@@ -21,7 +21,7 @@ from pyro_hier.conjugate import (
     conjugate_conditional,
     element_expansion,
     gaussian_prior,
-    newton_mean,
+    line_searched_mean,
     rebase,
 )
 from pyro_hier.distributions import StickingTheLanding
@@ -206,6 +206,7 @@ class AutoBranchGuide(HierarchicalGuide):
         self.averages = PyroModule()
         self._hooked: dict[str, weakref.ref] = {}
         self._refreshes: dict[str, int] = {}  # references redone per conjugate level (in this process)
+        self._quadratic: dict[str, bool] = {}  # conjugate level -> the rest of the model is quadratic in it
         for level in self.levels:
             if level.name in self.conjugate_levels:
                 self._setup_conjugate_level(level, self._init_level(level))
@@ -348,19 +349,28 @@ class AutoBranchGuide(HierarchicalGuide):
             p0 = prior.precision if prior.diagonal else prior.precision.diagonal(dim1=-2, dim2=-1)
             floor = CURVATURE_FLOOR * p0
 
-            def expand(at: dict, level: PlateLevel = level, scale: float = scale):
+            def expand(at: dict, u: torch.Tensor | None = None, level: PlateLevel = level, scale: float = scale):
                 return element_expansion(
                     self.model,
                     args,
                     kwargs,
                     at,
-                    centres[level.name],
+                    centres[level.name] if u is None else u,
                     lambda u: self._level_values(level, u),
                     scale,
                     subsamples,
                 )
 
             gradient, curvature = expand(values)
+            if self._has_slopes(level) and level.name not in self._quadratic:
+                # slopes are read where the pseudo-observation of a Gaussian expansion is exact: Gaussian observations
+                # whose mean is linear in the level (radon, eight schools). Elsewhere (a binomial or Poisson mixed
+                # model) the secant slopes of the Laplace pseudo-observation took the groups' scale down with them
+                moved_curvature = expand(values, centres[level.name] + 1.0)[1]
+                tolerance = 1e-6 * float(curvature.abs().max()) + 1e-12
+                self._quadratic[level.name] = bool(
+                    torch.allclose(moved_curvature, curvature, rtol=1e-4, atol=tolerance)
+                )
             root = (
                 _psd_root(curvature, floor) if not diagonal else curvature.diagonal(dim1=-2, dim2=-1).clamp(min=floor)
             )
@@ -369,13 +379,27 @@ class AutoBranchGuide(HierarchicalGuide):
             old = (self._reference(level, "loc", plates, 1), *old)
             had = self._reference(level, "visits", plates, 0) >= 0
             new = (prior.loc, p0 if diagonal else prior.full_precision(), root)
-            self._rebase_level(level, plates, old, new, had, prior, centres[level.name], gradient)
+            self._rebase_level(
+                level,
+                plates,
+                old,
+                new,
+                had,
+                prior,
+                centres[level.name],
+                gradient,
+                lambda u, at=values: expand(at, u)[0],
+            )
             if not bool(had.all()):  # the next levels' expansions see this one's new start (crossed effects)
                 centres[level.name] = self._element_param(self.locs, level, plates, 1).detach()
                 values.update(self._level_values(level, centres[level.name]))
             refreshes = self._refreshes.get(level.name, 0)
             self._refreshes[level.name] = refreshes + 1
-            if self._has_slopes(level) and (refreshes % SLOPES_EVERY == 0 or not bool(had.all())):
+            if (
+                self._has_slopes(level)
+                and self._quadratic[level.name]
+                and (refreshes % SLOPES_EVERY == 0 or not bool(had.all()))
+            ):
                 slope, stretch_slope = self._pseudo_observation_slopes(level, values, centres, plates, floor, expand)
                 self._write_elements(self.references, f"{level.name}__slope", level, plates, slope, 2)
                 self._write_elements(self.references, f"{level.name}__stretch_slope", level, plates, stretch_slope, 2)
@@ -477,11 +501,12 @@ class AutoBranchGuide(HierarchicalGuide):
         prior: GaussianPrior,
         centre: torch.Tensor,
         gradient: torch.Tensor,
+        rest_gradient: Callable[[torch.Tensor], torch.Tensor],
     ) -> None:
         """Move a conjugate level's parameters (of this call's elements) to a new reference: elements that had one
         keep their q exactly (:func:`~pyro_hier.conjugate.rebase`); elements seen for the first time start at one
-        Newton step from their initial value (:func:`~pyro_hier.conjugate.newton_mean`) with the likelihood's own
-        curvature."""
+        Newton step from their initial value with the likelihood's own curvature, shortened where it overshoots
+        (:func:`~pyro_hier.conjugate.line_searched_mean`)."""
         diagonal = self._conjugate_diagonal(level)
         raw = self.scales if diagonal else self.scale_trils
         mean = self._element_param(self.locs, level, plates, 1).detach()
@@ -495,7 +520,7 @@ class AutoBranchGuide(HierarchicalGuide):
             refactor = positive_inv(refactor) if diagonal else raw_from_scale_tril(refactor)
             raw_out = torch.where(keep if diagonal else keep.unsqueeze(-1), refactor, raw_out)
         if not bool(had.all()):
-            started = newton_mean(prior, centre, gradient, new[2])
+            started = line_searched_mean(prior, centre, gradient, new[2], rest_gradient)
             fresh = (~had).unsqueeze(-1) & torch.isfinite(started)
             mean_out = torch.where(fresh, started, mean_out)
         self._write_elements(self.locs, level.name, level, plates, mean_out, 1)
