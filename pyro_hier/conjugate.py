@@ -73,6 +73,7 @@ __all__ = [
     "element_curvature",
     "element_expansion",
     "gaussian_prior",
+    "gaussian_update",
     "newton_mean",
     "precision_to_scale_tril",
     "rebase",
@@ -328,12 +329,12 @@ def conjugate_conditional(
         lam_ref = (fisher_sd * factor).pow(2)
         p_ref = ref_precision if ref_precision.dim() == mean.dim() else ref_precision.diagonal(dim1=-2, dim2=-1)
         lam = lam_ref if log_stretch is None else lam_ref * (2 * log_stretch).exp()
-        p0 = prior.precision if prior.diagonal else prior.precision.diagonal(dim1=-2, dim2=-1)
-        eta = p0 * prior.loc + lam_ref * ref_loc + (p_ref + lam_ref) * (mean - ref_loc)
+        natural = lam_ref * ref_loc + (p_ref + lam_ref) * (mean - ref_loc)
         if shift is not None:
-            eta = eta + shift
-        precision = p0 + lam
-        return eta / precision, precision.rsqrt()
+            natural = natural + shift
+        if not prior.diagonal:  # (independent coordinates: the prior's precision diagonal)
+            prior = GaussianPrior(prior.loc, prior.precision.diagonal(dim1=-2, dim2=-1))
+        return gaussian_update(prior, lam, natural)
     # R L with R the reference curvature's Cholesky factor (its sds when only those are kept): Λ̄ = R L LᵀRᵀ
     root = _root(fisher_sd, factor, mean)
     lam_ref = root @ root.mT
@@ -347,12 +348,31 @@ def conjugate_conditional(
         lam = e.unsqueeze(-1) * lam_ref * e.unsqueeze(-2)
     else:
         lam = lam_ref
+    return gaussian_update(prior, lam, natural)
+
+
+def gaussian_update(
+    prior: GaussianPrior, precision: torch.Tensor, natural: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""The prior conditional times a Gaussian pseudo-observation given in natural parameters: ``(loc, scale)`` of
+
+    .. math:: \mathcal N\big((P_0 + \Lambda)^{-1}(P_0 m_0 + \eta),\ (P_0 + \Lambda)^{-1}\big),
+
+    with :math:`\Lambda` = ``precision`` and :math:`\eta` = ``natural`` (``(..., d)``: :math:`\Lambda t` of the
+    pseudo-observation :math:`\mathcal N(t;\ u, \Lambda^{-1})`). ``scale`` is the sd ``(..., d)`` when the prior's
+    precision and ``precision`` are both diagonal (vectors ``(..., d)``), else the lower Cholesky factor of the
+    covariance ``(..., d, d)``. :math:`\Lambda` need not be invertible (a group with fewer observations than
+    dimensions)."""
+    if prior.diagonal and precision.dim() == natural.dim():
+        total = prior.precision + precision
+        return (prior.precision * prior.loc + natural) / total, total.rsqrt()
     p0 = prior.full_precision()
-    precision = p0 + lam
+    lam = precision if precision.dim() > natural.dim() else torch.diag_embed(precision)
+    total = p0 + lam
     eta = (p0 @ prior.loc.unsqueeze(-1)).squeeze(-1) + natural
-    chol = torch.linalg.cholesky(precision)
+    chol = torch.linalg.cholesky(total)
     loc = torch.cholesky_solve(eta.unsqueeze(-1), chol).squeeze(-1)
-    return loc, precision_to_scale_tril(precision)
+    return loc, precision_to_scale_tril(total)
 
 
 def _root(fisher_sd: torch.Tensor, factor: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:

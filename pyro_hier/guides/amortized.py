@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import pyro.distributions as dist
 import torch
 from pyro.infer.autoguide.initialization import init_to_feasible
 from pyro.nn import PyroModule, PyroParam
@@ -15,6 +16,8 @@ from pyro.nn.module import to_pyro_module_
 from torch import nn
 from torch.distributions import constraints
 
+from pyro_hier.conjugate import capture_priors, element_expansion, gaussian_update, precision_to_scale_tril
+from pyro_hier.distributions import StickingTheLanding
 from pyro_hier.errors import StructureError
 from pyro_hier.guides.branch import AutoBranchGuide
 from pyro_hier.local_data import (
@@ -29,7 +32,7 @@ from pyro_hier.local_data import (
     nested_features,
 )
 from pyro_hier.nn import MLP, Standardize, masked_pool, segment_pool, with_square
-from pyro_hier.plates import PlateCall, capture_plates
+from pyro_hier.plates import PlateCall, capture_plates, plate_indices
 from pyro_hier.structure import ModelStructure, PlateLevel
 from pyro_hier.transforms import positive, positive_inv, scale_tril_from_raw
 
@@ -37,6 +40,19 @@ __all__ = ["AutoAmortizedBranchGuide"]
 
 _POOLS = ("mean", "sum", "max")
 _FORMS = ("natural", "paper")
+_CONDITIONALS = ("conjugate", "linear")
+#: the model's expansions of the expanded levels are redone after this many training calls (at once for new
+#: arguments: another minibatch, other data)
+EXPANSION_EVERY = 10
+
+
+@dataclass(frozen=True)
+class _Potential:
+    """A conjugate level's pseudo-observation on this call, in natural parameters: the networks' sums
+    ``precision`` (``Σ_j L_j L_jᵀ`` ``(..., d, d)``, or ``Σ_j l_j²`` ``(..., d)``) and ``shift`` (``Σ_j L_j t_j``)."""
+
+    precision: torch.Tensor
+    shift: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -197,10 +213,12 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         feature_net: Sequence[int] | nn.Module | None = None,
         param_net: Sequence[int] | nn.Module | None = None,
         pool: str | None = None,
+        conditional: str | None = None,
+        expansion: bool = True,
         init_loc_fn: Callable = init_to_feasible,
         init_scale: float = 0.1,
         create_plates: Callable | None = None,
-        stick_the_landing: bool = False,
+        stick_the_landing: bool | None = None,
     ) -> None:
         paper_options = (("feature_net", feature_net), ("param_net", param_net), ("pool", pool))
         paper_options = [k for k, v in paper_options if v is not None]
@@ -213,9 +231,19 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         if wrong:
             other = "natural" if form == "paper" else "paper"
             raise ValueError(f"{', '.join(wrong)} belong(s) to form='{other}', not to form='{form}'")
+        if conditional is None:
+            conditional = "conjugate" if form == "natural" else "linear"
+        if conditional not in _CONDITIONALS:
+            raise ValueError(f"conditional must be one of {_CONDITIONALS}, got {conditional!r}")
+        if conditional == "conjugate" and form != "natural":
+            raise ValueError("conditional='conjugate' belongs to form='natural': the paper's form is linear")
         pool = "mean" if pool is None else pool
         feature_net = (64, 64, 64, 128) if feature_net is None else feature_net
         param_net = (256, 256, 256) if param_net is None else param_net
+        if not isinstance(expansion, bool):
+            raise ValueError(f"expansion must be True or False, got {expansion!r}")
+        #: networks on the levels whose pseudo-observation is the model's expansion too (observation_net given)
+        self._networks_everywhere = observation_net is not None
         observation_net = (32,) if observation_net is None else observation_net
         if pool not in _POOLS:
             raise ValueError(f"pool must be one of {_POOLS}, got {pool!r}")
@@ -238,7 +266,10 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             init_scale=init_scale,
             create_plates=create_plates,
             stick_the_landing=stick_the_landing,
+            conditional="linear",  # (the branch guide's conjugate levels: this guide's levels come from networks)
         )
+        self.conditional_form = conditional
+        self.expansion = expansion
         self._local_data_arg = local_data
         self.local_features = local_features
         self._net_specs = (feature_net, param_net)  # a tuple: user modules are registered once placed in `nets`
@@ -273,6 +304,27 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         #: plated levels without data (no observation nested in, or gathering, their plates): free parameters
         self.free_levels: tuple[str, ...] = tuple(name for name, found in sources.items() if not found)
         self._sources = {name: found for name, found in sources.items() if found}
+        #: amortized levels whose conditional is the model's prior conditional at the ancestors' draws times the
+        #: networks' pseudo-observation (``conditional="conjugate"``); the others have the linear natural form
+        self.prior_levels: tuple[str, ...] = tuple(
+            level.name
+            for level in plated
+            if level.name in self.amortized_levels
+            and self.form == "natural"
+            and self.conditional_form == "conjugate"
+            and self._gaussian_given_parents(level, structure)
+        )
+        #: conjugate levels that no other level descends from: their pseudo-observation starts from the model's own
+        #: Gaussian expansion of their likelihood (exact for a Gaussian likelihood)
+        self.expanded_levels: tuple[str, ...] = tuple(
+            name for name in self.prior_levels if self.expansion and not any(name in lv.ancestors for lv in levels)
+        )
+        #: amortized levels with observation networks: all, or (observation_net not given) those not expanded
+        self.network_levels: tuple[str, ...] = tuple(
+            name for name in self.amortized_levels if self._networks_everywhere or name not in self.expanded_levels
+        )
+        self._sources = {name: self._sources[name] for name in self.network_levels}
+        self._expansion_cache: tuple | None = None  # (key, training calls when made, {level: (precision, shift)})
         self._observed_rows: ObservedRows | None = None
         if self.amortized_levels:  # one run of the model gives every level's data for the input statistics
             args, kwargs = self._setup_call
@@ -296,8 +348,10 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         if self.structure is None:
             return "not set up"
         return (
-            f"form={self.form!r}, covariance={self.covariance!r}, amortized levels {list(self.amortized_levels)} "
-            f"(from their data), free levels {list(self.free_levels)} (no data: free per-element parameters)"
+            f"form={self.form!r}, conditional={self.conditional_form!r}, covariance={self.covariance!r}, amortized "
+            f"levels {list(self.amortized_levels)} (from their data; the model's prior conditional times the "
+            f"networks' pseudo-observation: {list(self.prior_levels)}), free levels {list(self.free_levels)} (no data: "
+            "free per-element parameters)"
         )
 
     def _gathered_keys(self) -> dict[str, tuple[str, ...]]:
@@ -392,6 +446,8 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
 
     def _setup_natural_level(self, level: PlateLevel, init: torch.Tensor) -> None:
         """Observation networks (one per data source) and the free ``Λ₀`` (Cholesky), ``m₀`` and ``B``."""
+        if level.name not in self.network_levels:  # the model's expansion alone, with the model's prior: no parameter
+            return
         args, kwargs, calls, observations = self._setup_call
         d, key = level.numel, _key(level.name)
         feats = nn.ModuleDict()
@@ -400,6 +456,8 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             net = self._make_observation_net(level, rows.shape[-1], len(self._sources[level.name]), init)
             feats[str(k)] = nn.Sequential(Standardize.from_data(rows, weights).to(init.device), net)
         self._modules["nets"][key] = nn.ModuleDict({"observations": feats})  # (see _setup_level)
+        if level.name in self.prior_levels:  # the prior conditional comes from the model on each call
+            return
         # q starts from the prior-like factor N(m₀, Λ₀⁻¹) with Λ₀ = I / init_scale² (the sd is init_scale before the
         # data's terms, at most init_scale with them), m₀ = the mean initial location, B = 0. η₀ = Λ₀ m₀ is stored
         # as m₀, whose Adam steps move the mean by the learning rate whatever Λ₀ is.
@@ -491,7 +549,8 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
                 n: PlateCall(n, p.size, torch.arange(p.size), user_indices=False)
                 for n, p in self.structure.plates.items()
             }, {}
-        return capture_plates(self.model, args, kwargs), {}
+        assert self.structure is not None
+        return capture_plates(self.model, args, kwargs, names=list(self.structure.plates)), {}
 
     def _all_covariates(self, args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
         assert self.structure is not None
@@ -575,12 +634,86 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             self._decoded = {}  # filled level by level: a nested level's conditional may read its ancestors'
             for name in self.amortized_levels:
                 self._decoded[name] = self._encode(name, args, kwargs, calls, observations, indices, local_data)
+            if self.expanded_levels:
+                self._add_expansions(args, kwargs, calls)
             yield
         finally:
             self._calls = None
             self._plates = None
             self._decoded = None
             self._gathers = outer
+
+    @torch.no_grad()
+    def _expansion_point(self, args: tuple, kwargs: dict, calls: dict[str, PlateCall]) -> tuple[dict, dict]:
+        """Where the model's likelihood is expanded: the globals at q's mean (its tail average outside training), the
+        free levels at their means, the conjugate levels at their prior conditional's mean there. Returns the
+        constrained values by site and the conjugate levels' unconstrained element vectors. (Amortized levels of
+        the linear form take the model's initial values.)"""
+        values: dict[str, torch.Tensor] = {}
+        centres: dict[str, torch.Tensor] = {}
+        subsamples = {name: call.indices for name, call in calls.items()}
+        for level in self.levels:
+            if level.name in self.prior_levels:
+                fns, _ = capture_priors(self.model, args, kwargs, values, level.sites, subsamples)
+                u = self._level_prior(level, fns).loc
+            elif level.name in self.amortized_levels:
+                continue
+            elif level is self._global_level:
+                u = self._level_params(level, None)[0]
+            else:
+                u = self._element_param(self.locs, level, calls, 1)
+            centres[level.name] = u.detach()
+            values.update(self._level_values(level, centres[level.name]))
+        return values, centres
+
+    def _add_expansions(self, args: tuple, kwargs: dict, calls: dict[str, PlateCall]) -> None:
+        r"""Add to each expanded level's pseudo-observation the second-order expansion of the rest of the model (its
+        likelihood) at :meth:`_expansion_point`: with gradient :math:`g_i` and curvature :math:`F_i` there
+        (:func:`~pyro_hier.conjugate.element_expansion`), the Gaussian potential :math:`\Lambda_i = F_i`,
+        :math:`\Lambda_i t_i = F_i c_i + g_i` — the group's likelihood itself when it is Gaussian in the level's
+        latents (radon's county effects, eight schools, random effects), whatever covariates the model uses. It holds
+        no parameter: the networks' potentials add what it lacks."""
+        assert self.structure is not None and self._decoded is not None
+        key = (_identity(args, kwargs), torch.is_grad_enabled())
+        calls_done = float(self.references.training_calls.detach()) if hasattr(self.references, "training_calls") else 0
+        cached = self._expansion_cache
+        if cached is not None and cached[0] == key and calls_done - cached[1] < EXPANSION_EVERY:
+            for name, (info, natural) in cached[2].items():
+                potential = self._decoded[name]
+                self._decoded[name] = _Potential(potential.precision + info, potential.shift + natural)
+            return
+        made = {}
+        values, centres = self._expansion_point(args, kwargs, calls)
+        subsamples = {name: call.indices for name, call in calls.items()}
+        for name in self.expanded_levels:
+            level = self._levels[name]
+            scale = math.prod(self.structure.plates[p].size for p in level.plates) / max(
+                1, math.prod(int(calls[p].indices.shape[0]) for p in level.plates)
+            )
+            centre = centres[name]
+            gradient, curvature = element_expansion(
+                self.model,
+                args,
+                kwargs,
+                values,
+                centre,
+                lambda u, level=level: self._level_values(level, u),
+                scale,
+                subsamples,
+            )
+            potential = self._decoded[name]
+            if potential.precision.dim() == potential.shift.dim():  # diagonal
+                info = curvature.diagonal(dim1=-2, dim2=-1).clamp(min=0.0)
+                natural = info * centre + gradient
+            else:
+                info = _psd_part(curvature)
+                natural = (info @ centre.unsqueeze(-1)).squeeze(-1) + gradient
+            shape = potential.shift.shape
+            info = info.reshape(potential.precision.shape) if info.numel() == potential.precision.numel() else info
+            natural = natural.reshape(shape) if natural.numel() == potential.shift.numel() else natural
+            made[name] = (info, natural)
+            self._decoded[name] = _Potential(potential.precision + info, potential.shift + natural)
+        self._expansion_cache = (key, calls_done, made)
 
     def _create_plates(self, *args, **kwargs) -> dict:
         if self._plates is not None:  # opened once per call: a plate creates a site in the trace
@@ -664,8 +797,16 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         """The level's ``(loc, weight, scale)`` for the groups of this call (see :meth:`_level_params`)."""
         level = self._levels[name]
         inputs = self._source_inputs(name, args, kwargs, calls, observations, indices, local_data)
+        if name not in self.network_levels:  # the model's expansion alone (added after every level is encoded)
+            shape, d = self._level_shape(level, indices), level.numel
+            zeros = torch.zeros((*shape, d), dtype=self._dtype(), device=self._device())
+            precision = zeros if self._is_diagonal(level) else zeros.unsqueeze(-1).expand((*shape, d, d))
+            return _Potential(precision, zeros)
         if self.form == "natural":
-            return self._decode_natural(level, *self._natural_statistics(level, inputs, indices))
+            precision, shift = self._natural_statistics(level, inputs, indices)
+            if name in self.prior_levels:  # combined with the prior conditional at the ancestors' draws, in forward
+                return _Potential(precision, shift)
+            return self._decode_natural(level, precision, shift)
         nets = self.nets[_key(name)]
         pooled = []
         for k, rows, segment, mask in inputs:
@@ -743,7 +884,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         root = scale_tril_from_raw(getattr(self.natural, f"{key}_precision_tril"))
         prior_precision = root @ root.mT
         eta = (prior_precision @ prior_loc.unsqueeze(-1)).squeeze(-1) + shift
-        scale = _precision_to_scale_tril(prior_precision + precision)
+        scale = precision_to_scale_tril(prior_precision + precision)
         weight = None
         if self._is_conditional(level):
             anc_loc, anc_scale = self._ancestor_params(level, self._plates)
@@ -771,10 +912,10 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         return loc, weight, scale
 
     def _dtype(self) -> torch.dtype:
-        return next(self.nets.parameters()).dtype
+        return next(self.parameters()).dtype
 
     def _device(self) -> torch.device:
-        return next(self.nets.parameters()).device
+        return next(self.parameters()).device
 
     def _level_params(
         self, level: PlateLevel, plates: dict | None = None
@@ -786,7 +927,53 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
                 f"level '{level.name}' is amortized: its parameters depend on data. Call the guide, median, "
                 "quantiles, level_moments or local_posterior with the model's arguments"
             )
-        return self._decoded[level.name]
+        decoded = self._decoded[level.name]
+        if isinstance(decoded, _Potential):
+            # a conjugate level has no fixed location and scale; a linear level below it (a non-Gaussian prior
+            # conditional) is coupled to its raw value: zero location, unit scale
+            d, like = level.numel, decoded.shift
+            shape = (*like.shape[:-1], d)
+            eye = torch.eye(d, dtype=like.dtype, device=like.device)
+            return (
+                like.new_zeros(shape),
+                None,
+                like.new_ones(shape) if self._is_diagonal(level) else eye.expand((*shape, d)),
+            )
+        return decoded
+
+    def _call_distribution(self, level, args, kwargs, values, result, plates) -> dist.TorchDistribution:
+        if level.name not in self.prior_levels:
+            return super()._call_distribution(level, args, kwargs, values, result, plates)
+        assert self._decoded is not None
+        fns, _ = capture_priors(self.model, args, kwargs, dict(result), level.sites, plate_indices(plates))
+        prior = self._level_prior(level, fns)
+        potential = self._decoded[level.name]
+
+        def build(precision: torch.Tensor, shift: torch.Tensor) -> dist.TorchDistribution:
+            if level.numel == 1 and precision.dim() > shift.dim():  # one coordinate: elementwise
+                precision = precision.squeeze(-1)
+            loc, scale = gaussian_update(prior, precision, shift)
+            if scale.dim() == loc.dim():
+                return dist.Normal(loc, scale).to_event(1)
+            return dist.MultivariateNormal(loc, scale_tril=scale)
+
+        q = build(potential.precision, potential.shift)
+        if self.stick_the_landing is False or not torch.is_grad_enabled():  # (the scorer only changes gradients)
+            return q
+        return StickingTheLanding(q, build(potential.precision.detach(), potential.shift.detach()))
+
+    @property
+    def _prior_reading_levels(self) -> tuple[str, ...]:
+        return self.prior_levels
+
+    def _require_linear(self, level: str) -> None:
+        if level in self.prior_levels:
+            raise ValueError(
+                f"level '{level}' has the conjugate conditional (its prior conditional, read from the model at the "
+                "ancestors' draws, updated by the networks' pseudo-observation), whose mean is not linear in the "
+                "ancestors: use local_posterior(), quantiles(), or build the guide with conditional='linear'"
+            )
+        super()._require_linear(level)
 
     # ---- public surface -----------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
@@ -799,6 +986,8 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
     def level_moments(self, *args, **kwargs) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """As :meth:`AutoBranchGuide.level_moments` for the groups of the model's call on ``args``."""
         self._require_setup(*args, **kwargs)
+        if self.prior_levels:  # drawn: each draw encodes the groups
+            return self._drawn_level_moments(*args, **kwargs)
         with self._encoding(args, kwargs):
             return super().level_moments()
 
@@ -844,6 +1033,28 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             raise RuntimeError("the guide has not been set up: train it (or call it once) before local_posterior")
         with self._encoding(args, kwargs, training=False, local_data=local_data):
             return {name: self.conditional(name) for name in self.amortized_levels}
+
+
+def _identity(args: tuple, kwargs: dict) -> tuple:
+    """Which call this is, for the expansions' cache: each argument's identity, and a tensor's storage and shape
+    (the same objects again: ``Predictive``'s draws, a full-data training loop)."""
+
+    def one(x):
+        if isinstance(x, torch.Tensor):
+            return (id(x), x.data_ptr(), tuple(x.shape), x._version)
+        return id(x)
+
+    return tuple(one(a) for a in args) + tuple((k, one(v)) for k, v in sorted(kwargs.items()))
+
+
+def _psd_part(matrix: torch.Tensor) -> torch.Tensor:
+    """A symmetric matrix with its negative eigenvalues set to zero (a curvature where the likelihood is not
+    log-concave)."""
+    sym = 0.5 * (matrix + matrix.mT)
+    if sym.shape[-1] == 1:
+        return sym.clamp(min=0.0)
+    values, vectors = torch.linalg.eigh(sym)
+    return (vectors * values.clamp(min=0.0).unsqueeze(-2)) @ vectors.mT
 
 
 def _key(level_name: str) -> str:
@@ -937,14 +1148,6 @@ def _linear_statistics(
     precision = torch.einsum("...akq,bkq->...ab", projected, factor)
     shift = torch.einsum("...akq,kq->...a", projected, target)
     return precision.reshape((*precision.shape[:-2], d * d)), shift
-
-
-def _precision_to_scale_tril(precision: torch.Tensor) -> torch.Tensor:
-    """Lower Cholesky factor of ``precision⁻¹`` from one Cholesky and one triangular solve: with ``J`` the reversal
-    permutation and ``J Λ J = R Rᵀ``, ``Λ⁻¹ = (J R⁻ᵀ J)(J R⁻ᵀ J)ᵀ`` and ``J R⁻ᵀ J`` is lower triangular."""
-    flipped = torch.linalg.cholesky(precision.flip(-2, -1))
-    eye = torch.eye(precision.shape[-1], dtype=precision.dtype, device=precision.device)
-    return torch.linalg.solve_triangular(flipped.mT, eye, upper=True).flip(-2, -1)
 
 
 def _checked_module(
