@@ -19,7 +19,7 @@ from torch.distributions import constraints
 from pyro_hier.conjugate import capture_priors, element_expansion, gaussian_update, precision_to_scale_tril
 from pyro_hier.distributions import StickingTheLanding
 from pyro_hier.errors import StructureError
-from pyro_hier.guides.branch import AutoBranchGuide
+from pyro_hier.guides.branch import CURVATURE_FLOOR, SLOPES_EVERY, AutoBranchGuide
 from pyro_hier.local_data import (
     GroupedData,
     Observation,
@@ -324,7 +324,10 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             name for name in self.amortized_levels if self._networks_everywhere or name not in self.expanded_levels
         )
         self._sources = {name: self._sources[name] for name in self.network_levels}
-        self._expansion_cache: tuple | None = None  # (key, training calls when made, {level: (precision, shift)})
+        #: the expanded levels' last expansion: (call key, training calls when made, refreshes on that key,
+        #: {level: (precision, natural parameter, slopes or None)})
+        self._expansion_cache: tuple | None = None
+        self._expanded: dict = {}  # the expansions of the current call
         self._observed_rows: ObservedRows | None = None
         if self.amortized_levels:  # one run of the model gives every level's data for the input statistics
             args, kwargs = self._setup_call
@@ -634,6 +637,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             self._decoded = {}  # filled level by level: a nested level's conditional may read its ancestors'
             for name in self.amortized_levels:
                 self._decoded[name] = self._encode(name, args, kwargs, calls, observations, indices, local_data)
+            self._expanded = {}
             if self.expanded_levels:
                 self._add_expansions(args, kwargs, calls)
             yield
@@ -641,6 +645,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             self._calls = None
             self._plates = None
             self._decoded = None
+            self._expanded = {}
             self._gathers = outer
 
     @torch.no_grad()
@@ -652,9 +657,11 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         values: dict[str, torch.Tensor] = {}
         centres: dict[str, torch.Tensor] = {}
         subsamples = {name: call.indices for name, call in calls.items()}
+        self._prior_fns: dict = {}  # the conjugate levels' prior conditionals there
         for level in self.levels:
             if level.name in self.prior_levels:
                 fns, _ = capture_priors(self.model, args, kwargs, values, level.sites, subsamples)
+                self._prior_fns.update(fns)
                 u = self._level_prior(level, fns).loc
             elif level.name in self.amortized_levels:
                 continue
@@ -667,21 +674,25 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         return values, centres
 
     def _add_expansions(self, args: tuple, kwargs: dict, calls: dict[str, PlateCall]) -> None:
-        r"""Add to each expanded level's pseudo-observation the second-order expansion of the rest of the model (its
-        likelihood) at :meth:`_expansion_point`: with gradient :math:`g_i` and curvature :math:`F_i` there
-        (:func:`~pyro_hier.conjugate.element_expansion`), the Gaussian potential :math:`\Lambda_i = F_i`,
-        :math:`\Lambda_i t_i = F_i c_i + g_i` — the group's likelihood itself when it is Gaussian in the level's
-        latents (radon's county effects, eight schools, random effects), whatever covariates the model uses. It holds
-        no parameter: the networks' potentials add what it lacks."""
+        r"""The model's own pseudo-observation of each expanded level's elements on this call: the second-order
+        expansion of the rest of the model (the level's likelihood) at :meth:`_expansion_point`, with gradient
+        :math:`g_i` and curvature :math:`F_i` there (:func:`~pyro_hier.conjugate.element_expansion`), is the Gaussian
+        potential :math:`\bar\Lambda_i = F_i`, :math:`\bar\eta_i = F_i c_i + g_i` — the group's likelihood itself
+        when it is Gaussian in the level's latents (radon's county effects, eight schools, random effects), whatever
+        covariates the model uses. With ``covariance="dense"`` it moves with the globals' draw :math:`\theta` as the
+        branch guide's does, at slopes read from the model by central differences
+        (:meth:`AutoBranchGuide._pseudo_observation_slopes`): :math:`\eta_i(\theta) = \bar\eta_i + B_i (\theta -
+        \bar\theta)`, :math:`\Lambda_i(\theta) = E \bar\Lambda_i E`, :math:`E = \mathrm{diag}(e^{C_i (\theta -
+        \bar\theta)})`. It holds no parameter; it is redone every :data:`EXPANSION_EVERY` training calls (the
+        slopes every :data:`~pyro_hier.guides.branch.SLOPES_EVERY`-th time), at once for other arguments."""
         assert self.structure is not None and self._decoded is not None
         key = (_identity(args, kwargs), torch.is_grad_enabled())
         calls_done = float(self.references.training_calls.detach()) if hasattr(self.references, "training_calls") else 0
         cached = self._expansion_cache
         if cached is not None and cached[0] == key and calls_done - cached[1] < EXPANSION_EVERY:
-            for name, (info, natural) in cached[2].items():
-                potential = self._decoded[name]
-                self._decoded[name] = _Potential(potential.precision + info, potential.shift + natural)
+            self._expanded = cached[3]
             return
+        refreshes = 0 if cached is None or cached[0] != key else cached[2] + 1
         made = {}
         values, centres = self._expansion_point(args, kwargs, calls)
         subsamples = {name: call.indices for name, call in calls.items()}
@@ -690,17 +701,21 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             scale = math.prod(self.structure.plates[p].size for p in level.plates) / max(
                 1, math.prod(int(calls[p].indices.shape[0]) for p in level.plates)
             )
+
+            def expand(at: dict, level: PlateLevel = level, scale: float = scale) -> tuple:
+                return element_expansion(
+                    self.model,
+                    args,
+                    kwargs,
+                    at,
+                    centres[level.name],
+                    lambda u: self._level_values(level, u),
+                    scale,
+                    subsamples,
+                )
+
             centre = centres[name]
-            gradient, curvature = element_expansion(
-                self.model,
-                args,
-                kwargs,
-                values,
-                centre,
-                lambda u, level=level: self._level_values(level, u),
-                scale,
-                subsamples,
-            )
+            gradient, curvature = expand(values)
             potential = self._decoded[name]
             if potential.precision.dim() == potential.shift.dim():  # diagonal
                 info = curvature.diagonal(dim1=-2, dim2=-1).clamp(min=0.0)
@@ -708,12 +723,23 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             else:
                 info = _psd_part(curvature)
                 natural = (info @ centre.unsqueeze(-1)).squeeze(-1) + gradient
-            shape = potential.shift.shape
-            info = info.reshape(potential.precision.shape) if info.numel() == potential.precision.numel() else info
-            natural = natural.reshape(shape) if natural.numel() == potential.shift.numel() else natural
-            made[name] = (info, natural)
-            self._decoded[name] = _Potential(potential.precision + info, potential.shift + natural)
-        self._expansion_cache = (key, calls_done, made)
+            slopes = None
+            if self._has_slopes(level):
+                old = None if cached is None or cached[0] != key else cached[3][name][2]
+                if old is None or refreshes % SLOPES_EVERY == 0:
+                    prior = self._level_prior(level, {s: self._prior_fns[s] for s in level.sites})
+                    p0 = prior.precision if prior.diagonal else prior.precision.diagonal(dim1=-2, dim2=-1)
+                    floor = CURVATURE_FLOOR * p0
+                    slopes = self._pseudo_observation_slopes(level, values, centres, calls, floor, expand)
+                else:
+                    slopes = old
+            made[name] = (
+                info.reshape(potential.precision.shape),
+                natural.reshape(potential.shift.shape),
+                slopes,
+            )
+        self._expansion_cache = (key, calls_done, refreshes, made)
+        self._expanded = made
 
     def _create_plates(self, *args, **kwargs) -> dict:
         if self._plates is not None:  # opened once per call: a plate creates a site in the trace
@@ -948,8 +974,22 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         fns, _ = capture_priors(self.model, args, kwargs, dict(result), level.sites, plate_indices(plates))
         prior = self._level_prior(level, fns)
         potential = self._decoded[level.name]
+        expanded = self._expanded.get(level.name)
+        deltas = None
+        if expanded is not None and expanded[2] is not None:
+            deltas = self._global_deviation(values[self._global_level.name])
 
-        def build(precision: torch.Tensor, shift: torch.Tensor) -> dist.TorchDistribution:
+        def build(precision: torch.Tensor, shift: torch.Tensor, delta: torch.Tensor | None) -> dist.TorchDistribution:
+            if expanded is not None:  # the model's pseudo-observation, moved to the globals' draw
+                info, natural, slopes = expanded
+                if delta is not None:
+                    natural = natural + (slopes[0] @ delta.unsqueeze(-1)).squeeze(-1)
+                    stretch = (slopes[1] @ delta.unsqueeze(-1)).squeeze(-1).exp()
+                    if info.dim() == natural.dim():  # Λ(θ) = E Λ̄ E
+                        info = stretch * info * stretch
+                    else:
+                        info = stretch.unsqueeze(-1) * info * stretch.unsqueeze(-2)
+                precision, shift = precision + info, shift + natural
             if level.numel == 1 and precision.dim() > shift.dim():  # one coordinate: elementwise
                 precision = precision.squeeze(-1)
             loc, scale = gaussian_update(prior, precision, shift)
@@ -957,10 +997,11 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
                 return dist.Normal(loc, scale).to_event(1)
             return dist.MultivariateNormal(loc, scale_tril=scale)
 
-        q = build(potential.precision, potential.shift)
+        q = build(potential.precision, potential.shift, None if deltas is None else deltas[0])
         if self.stick_the_landing is False or not torch.is_grad_enabled():  # (the scorer only changes gradients)
             return q
-        return StickingTheLanding(q, build(potential.precision.detach(), potential.shift.detach()))
+        scorer = build(potential.precision.detach(), potential.shift.detach(), None if deltas is None else deltas[1])
+        return StickingTheLanding(q, scorer)
 
     @property
     def _prior_reading_levels(self) -> tuple[str, ...]:
