@@ -68,6 +68,7 @@ from pyro_hier.plates import PlateCall, PlateRecorder
 
 __all__ = [
     "GaussianPrior",
+    "Unobserved",
     "capture_priors",
     "conjugate_conditional",
     "element_curvature",
@@ -241,6 +242,7 @@ def element_expansion(
     to_values: Callable[[torch.Tensor], dict[str, torch.Tensor]],
     plate_scale: float,
     subsamples: dict[str, torch.Tensor] | None = None,
+    observed: Iterable[str] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""The second-order expansion of the rest of the model at each element of a level: the gradient
     :math:`g_i = \partial \log p(\text{everything but the level's own prior}) / \partial u_i` ``(..., d)`` and the
@@ -252,12 +254,18 @@ def element_expansion(
     Hessian-vector products (one per coordinate, all elements at once) give every block. Log densities are weighted by
     each site's scale divided by ``plate_scale`` (the level's plates' subsampling factor): a group's own data count
     once, and an observation plate subsampled on its own is scaled up to the whole.
+
+    :raises Unobserved: if a site of ``observed`` is sampled, not observed, in this call (its data omitted, as in
+        ``Predictive(model, guide=guide)`` with ``obs=None``): the expansion would read a draw as data.
     """
     with torch.enable_grad():
         u = level_u.detach().clone().requires_grad_(True)
         own = to_values(u)
         with poutine.block(), _PlateReplay(subsamples or {}):  # recorded here, hidden from the caller's handlers
             trace = poutine.trace(poutine.condition(model, {**values, **own})).get_trace(*args, **kwargs)
+        missing = [n for n in observed if n in trace.nodes and not trace.nodes[n]["is_observed"]]
+        if missing:
+            raise Unobserved(f"the observed site(s) {missing} are not observed in this call")
         total = u.new_zeros(())
         for name, site in trace.nodes.items():
             if site["type"] != "sample" or name in own or isinstance(site["fn"], _Subsample):
@@ -282,6 +290,10 @@ def element_expansion(
             (col,) = torch.autograd.grad(grad, u, grad_outputs=probe, retain_graph=k + 1 < d, allow_unused=True)
             columns.append(torch.zeros_like(u) if col is None else -col)
     return grad.detach(), torch.stack(columns, -1).detach()
+
+
+class Unobserved(LookupError):
+    """:func:`element_expansion` was asked to expand a likelihood whose data this call omits."""
 
 
 def element_curvature(

@@ -16,9 +16,17 @@ from pyro.nn.module import to_pyro_module_
 from torch import nn
 from torch.distributions import constraints
 
-from pyro_hier.conjugate import capture_priors, element_expansion, gaussian_update, precision_to_scale_tril
+from pyro_hier.conjugate import (
+    Unobserved,
+    capture_priors,
+    element_expansion,
+    gaussian_update,
+    precision_to_scale_tril,
+)
 from pyro_hier.distributions import StickingTheLanding
 from pyro_hier.errors import StructureError
+from pyro_hier.gather_maps import full_data_call
+from pyro_hier.gathers import keep_random_state
 from pyro_hier.guides.branch import CURVATURE_FLOOR, SLOPES_EVERY, AutoBranchGuide
 from pyro_hier.local_data import (
     GroupedData,
@@ -32,7 +40,8 @@ from pyro_hier.local_data import (
     nested_features,
 )
 from pyro_hier.nn import MLP, Standardize, masked_pool, segment_pool, with_square
-from pyro_hier.plates import PlateCall, capture_plates, plate_indices
+from pyro_hier.plates import PlateCall, capture_plates, element_selection, plate_indices
+from pyro_hier.sparse import select_elements
 from pyro_hier.structure import ModelStructure, PlateLevel
 from pyro_hier.transforms import positive, positive_inv, scale_tril_from_raw
 
@@ -328,6 +337,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         #: {level: (precision, natural parameter, slopes or None)})
         self._expansion_cache: tuple | None = None
         self._expanded: dict = {}  # the expansions of the current call
+        self._data_expansion: tuple | None = None  # the last call's with data, and its plates' indices
         self._observed_rows: ObservedRows | None = None
         if self.amortized_levels:  # one run of the model gives every level's data for the input statistics
             args, kwargs = self._setup_call
@@ -615,7 +625,8 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             yield
             return
         self._adopt_stored_parameters("nets")
-        calls, observations = self._run_model(args, kwargs)
+        with keep_random_state():  # (an inspection run: the init strategy draws omitted observations from the prior)
+            calls, observations = self._run_model(args, kwargs)
         self._calls = calls
         outer = self._gathers
         try:
@@ -693,9 +704,92 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             self._expanded = cached[3]
             return
         refreshes = 0 if cached is None or cached[0] != key else cached[2] + 1
+        old = None if cached is None or cached[0] != key else cached[3]
+        try:
+            with keep_random_state():  # (inspection runs: init strategies draw from the prior)
+                made = self._expansions_of_call(args, kwargs, calls, refreshes, old)
+        except Unobserved:  # the observations omitted (Predictive): the last call with data, at these elements
+            made = self._expansions_without_data(calls)
+        else:
+            self._data_expansion = (made, {p: c.indices for p, c in calls.items()})
+        self._expansion_cache = (key, calls_done, refreshes, made)
+        self._expanded = made
+
+    def _expansions_without_data(self, calls: dict[str, PlateCall]) -> dict:
+        """The expansions of the last call that had the data, at the elements of this call (which omits them)."""
+        assert self.structure is not None
+        if self._data_expansion is None:
+            raise StructureError(
+                "the observed sites are not observed in this call (observations omitted, as in "
+                "Predictive(model, guide=guide) with obs=None) and the guide has not been called with its data yet: "
+                "call the guide (or train it) on the data first"
+            )
+        made, held = self._data_expansion
+        out = {}
+        for name, parts in made.items():
+            level = self._levels[name]
+            for p, dim in zip(level.plates, level.dims, strict=True):
+                have, want = held[p], calls[p].indices.to(held[p].device)
+                if have.shape == want.shape and torch.equal(have, want):
+                    continue
+                inverse = torch.full((self.structure.plates[p].size,), -1, dtype=torch.long, device=have.device)
+                inverse[have] = torch.arange(have.shape[0], device=have.device)
+                pos = inverse[want]
+                if bool((pos < 0).any()):
+                    raise StructureError(
+                        f"the observed sites are not observed in this call, so the guide expands the likelihood of "
+                        f"the last call that had them; elements {want[pos < 0][:10].tolist()} of plate '{p}' were not "
+                        "in it. Call the guide once on the data of every element asked for."
+                    )
+                info, natural, slopes = parts
+                event = [info.dim() - natural.dim() + 1, 1] + ([2, 2] if slopes is not None else [])
+                tensors = [info, natural, *(slopes or ())]
+                tensors = [t.index_select(t.dim() - e + dim, pos) for t, e in zip(tensors, event, strict=True)]
+                parts = (tensors[0], tensors[1], None if slopes is None else tuple(tensors[2:]))
+            out[name] = parts
+        return out
+
+    def _expansions_of_call(self, args, kwargs, calls, refreshes: int, old: dict | None) -> dict:
+        """:meth:`_expansions` of this call's elements, from the model's call on all the data when this call's rows
+        do not hold all the data of its groups."""
+        if all(self._call_has_all_data(self._levels[name], calls) for name in self.expanded_levels):
+            return self._expansions(args, kwargs, calls, refreshes, old)
+        else:  # rows subsampled with their groups present: each group's expansion from the call on all the data
+            full_args, full_kwargs, forced = full_data_call(self.model, args, kwargs, calls)
+            full_calls = capture_plates(self.model, full_args, full_kwargs)
+            for n, idx in forced.items():
+                full_calls[n] = PlateCall(n, full_calls[n].size, idx, False)
+            made = {}
+            for name, (info, natural, slopes) in self._expansions(full_args, full_kwargs, full_calls, 0, None).items():
+                level = self._levels[name]
+                selection = element_selection(calls, level.plates, level.dims)
+                info = select_elements(info, selection, info.dim() - natural.dim() + 1)
+                natural = select_elements(natural, selection, 1)
+                if slopes is not None:
+                    slopes = tuple(select_elements(t, selection, 2) for t in slopes)
+                made[name] = (info, natural, slopes)
+            return made
+
+    def _call_has_all_data(self, level: PlateLevel, calls: dict[str, PlateCall]) -> bool:
+        """Whether this call holds all the data of its elements of ``level`` (every observed site reading them):
+        :func:`~pyro_hier.local_data.data_complete`."""
+        assert self.structure is not None
+        s = self.structure
+        above = set(level.plates).union(*(self._levels[a].plates for a in level.ancestors))
+        return all(
+            data_complete(s, site, level.plates, above, calls)
+            for site in s.observed
+            if set(level.plates) <= s.reachable_plates(site)
+        )
+
+    def _expansions(self, args, kwargs, calls, refreshes: int, old: dict | None) -> dict:
+        """``{level: (precision, natural parameter, slopes or None)}`` of the model's pseudo-observations of the
+        expanded levels on the call ``args``, ``kwargs`` (plates ``calls``)."""
+        assert self.structure is not None
         made = {}
         values, centres = self._expansion_point(args, kwargs, calls)
         subsamples = {name: call.indices for name, call in calls.items()}
+        observed = [n for n, site in self.structure.observed.items() if not is_factor(site.fn)]
         for name in self.expanded_levels:
             level = self._levels[name]
             scale = math.prod(self.structure.plates[p].size for p in level.plates) / max(
@@ -712,12 +806,12 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
                     lambda u: self._level_values(level, u),
                     scale,
                     subsamples,
+                    observed=observed,
                 )
 
             centre = centres[name]
             gradient, curvature = expand(values)
-            potential = self._decoded[name]
-            if potential.precision.dim() == potential.shift.dim():  # diagonal
+            if self._is_diagonal(level):
                 info = curvature.diagonal(dim1=-2, dim2=-1).clamp(min=0.0)
                 natural = info * centre + gradient
             else:
@@ -725,21 +819,22 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
                 natural = (info @ centre.unsqueeze(-1)).squeeze(-1) + gradient
             slopes = None
             if self._has_slopes(level):
-                old = None if cached is None or cached[0] != key else cached[3][name][2]
-                if old is None or refreshes % SLOPES_EVERY == 0:
+                kept = None if old is None else old[name][2]
+                if kept is None or refreshes % SLOPES_EVERY == 0:
                     prior = self._level_prior(level, {s: self._prior_fns[s] for s in level.sites})
                     p0 = prior.precision if prior.diagonal else prior.precision.diagonal(dim1=-2, dim2=-1)
                     floor = CURVATURE_FLOOR * p0
                     slopes = self._pseudo_observation_slopes(level, values, centres, calls, floor, expand)
                 else:
-                    slopes = old
+                    slopes = kept
+            shape = self._level_shape(level, {p: calls[p].indices for p in level.plates})
+            d = level.numel
             made[name] = (
-                info.reshape(potential.precision.shape),
-                natural.reshape(potential.shift.shape),
-                slopes,
+                info.reshape((*shape, d) if self._is_diagonal(level) else (*shape, d, d)),
+                natural.reshape((*shape, d)),
+                None if slopes is None else tuple(t.reshape((*shape, *t.shape[-2:])) for t in slopes),
             )
-        self._expansion_cache = (key, calls_done, refreshes, made)
-        self._expanded = made
+        return made
 
     def _create_plates(self, *args, **kwargs) -> dict:
         if self._plates is not None:  # opened once per call: a plate creates a site in the trace
@@ -973,35 +1068,90 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         assert self._decoded is not None
         fns, _ = capture_priors(self.model, args, kwargs, dict(result), level.sites, plate_indices(plates))
         prior = self._level_prior(level, fns)
-        potential = self._decoded[level.name]
-        expanded = self._expanded.get(level.name)
         deltas = None
+        expanded = self._expanded.get(level.name)
         if expanded is not None and expanded[2] is not None:
             deltas = self._global_deviation(values[self._global_level.name])
 
-        def build(precision: torch.Tensor, shift: torch.Tensor, delta: torch.Tensor | None) -> dist.TorchDistribution:
-            if expanded is not None:  # the model's pseudo-observation, moved to the globals' draw
-                info, natural, slopes = expanded
-                if delta is not None:
-                    natural = natural + (slopes[0] @ delta.unsqueeze(-1)).squeeze(-1)
-                    stretch = (slopes[1] @ delta.unsqueeze(-1)).squeeze(-1).exp()
-                    if info.dim() == natural.dim():  # Λ(θ) = E Λ̄ E
-                        info = stretch * info * stretch
-                    else:
-                        info = stretch.unsqueeze(-1) * info * stretch.unsqueeze(-2)
-                precision, shift = precision + info, shift + natural
-            if level.numel == 1 and precision.dim() > shift.dim():  # one coordinate: elementwise
-                precision = precision.squeeze(-1)
-            loc, scale = gaussian_update(prior, precision, shift)
+        def build(detach: bool, delta: torch.Tensor | None) -> dist.TorchDistribution:
+            loc, scale = self._conjugate_params(level, prior, delta, detach)
             if scale.dim() == loc.dim():
                 return dist.Normal(loc, scale).to_event(1)
             return dist.MultivariateNormal(loc, scale_tril=scale)
 
-        q = build(potential.precision, potential.shift, None if deltas is None else deltas[0])
+        q = build(False, None if deltas is None else deltas[0])
         if self.stick_the_landing is False or not torch.is_grad_enabled():  # (the scorer only changes gradients)
             return q
-        scorer = build(potential.precision.detach(), potential.shift.detach(), None if deltas is None else deltas[1])
-        return StickingTheLanding(q, scorer)
+        return StickingTheLanding(q, build(True, None if deltas is None else deltas[1]))
+
+    def _conjugate_params(
+        self, level: PlateLevel, prior, delta: torch.Tensor | None, detach: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(loc, scale)`` of a conjugate level's q on this call: ``prior`` (a
+        :class:`~pyro_hier.conjugate.GaussianPrior`) times the networks' and the model's pseudo-observations, the
+        latter moved by ``delta`` (the globals' draw less their mean) when it has slopes; ``detach``: the networks'
+        part without gradient (the scorer of sticking the landing)."""
+        assert self._decoded is not None
+        potential = self._decoded[level.name]
+        precision, shift = potential.precision, potential.shift
+        if detach:
+            precision, shift = precision.detach(), shift.detach()
+        expanded = self._expanded.get(level.name)
+        if expanded is not None:  # the model's pseudo-observation, moved to the globals' draw
+            info, natural, slopes = expanded
+            diagonal = info.dim() == natural.dim()
+            if delta is not None and slopes is not None:
+                natural = natural + (slopes[0] @ delta.unsqueeze(-1)).squeeze(-1)
+                stretch = (slopes[1] @ delta.unsqueeze(-1)).squeeze(-1).exp()
+                if diagonal:  # Λ(θ) = E Λ̄ E
+                    info = stretch * info * stretch
+                else:
+                    info = stretch.unsqueeze(-1) * info * stretch.unsqueeze(-2)
+            precision, shift = precision + info, shift + natural
+        if level.numel == 1 and precision.dim() > shift.dim():  # one coordinate: elementwise
+            precision = precision.squeeze(-1)
+        return gaussian_update(prior, precision, shift)
+
+    def _linearised_conditional(self, name: str, args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
+        r"""A conjugate level's conditional in the paper's form :math:`\mathcal N(\mu_i + A_i \theta, \Sigma_i)`,
+        linearised in the globals :math:`\theta` at their mean: :math:`\Sigma_i` and the mean there, :math:`A_i` the
+        mean's derivative (exact when the prior conditional's mean is linear in :math:`\theta` and its scale does not
+        depend on it, as for random effects of known scale). Also ``"precision"``, ``"natural"``: the pseudo-
+        observation at the globals' mean, the networks' and the model's together."""
+        level = self._levels[name]
+        glob = self._global_level
+        if glob is None or list(level.ancestors) != [glob.name]:
+            raise StructureError(
+                f"local_posterior linearises a conjugate level's conditional in the globals; level '{name}' has the "
+                f"ancestors {list(level.ancestors)}: use quantiles() or sample_latents(), or build the guide with "
+                "conditional='linear'"
+            )
+        assert self._calls is not None
+        subsamples = {n: c.indices for n, c in self._calls.items()}
+        with torch.enable_grad():
+            centre = self._level_params(glob, None)[0].detach()
+            u = centre.clone().requires_grad_(True)
+            fns, _ = capture_priors(self.model, args, kwargs, self._level_values(glob, u), level.sites, subsamples)
+            prior = self._level_prior(level, fns)
+            mean, scale = self._conjugate_params(level, prior, u - centre)
+            probe = torch.zeros_like(mean, requires_grad=True)
+            (first,) = torch.autograd.grad((mean * probe).sum(), u, create_graph=True, allow_unused=True)
+            columns = []
+            for k in range(u.shape[-1]):
+                col = None
+                if first is not None and first[k].requires_grad:
+                    (col,) = torch.autograd.grad(first[k], probe, retain_graph=True, allow_unused=True)
+                columns.append(torch.zeros_like(mean) if col is None else col)
+        weight = torch.stack(columns, -1).detach()
+        loc = mean.detach() - (weight @ centre.unsqueeze(-1)).squeeze(-1)
+        scale = scale.detach()
+        scale_tril = torch.diag_embed(scale) if scale.dim() == mean.dim() else scale
+        potential = self._decoded[name]
+        precision, natural = potential.precision.detach(), potential.shift.detach()
+        expanded = self._expanded.get(name)
+        if expanded is not None:
+            precision, natural = precision + expanded[0], natural + expanded[1]
+        return {"loc": loc, "weight": weight, "scale_tril": scale_tril, "precision": precision, "natural": natural}
 
     @property
     def _prior_reading_levels(self) -> tuple[str, ...]:
@@ -1073,7 +1223,12 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         if self.prototype_trace is None:
             raise RuntimeError("the guide has not been set up: train it (or call it once) before local_posterior")
         with self._encoding(args, kwargs, training=False, local_data=local_data):
-            return {name: self.conditional(name) for name in self.amortized_levels}
+            return {
+                name: self._linearised_conditional(name, args, kwargs)
+                if name in self.prior_levels
+                else self.conditional(name)
+                for name in self.amortized_levels
+            }
 
 
 def _identity(args: tuple, kwargs: dict) -> tuple:
