@@ -228,6 +228,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         init_scale: float = 0.1,
         create_plates: Callable | None = None,
         stick_the_landing: bool | None = None,
+        num_summary_samples: int = 1000,
     ) -> None:
         paper_options = (("feature_net", feature_net), ("param_net", param_net), ("pool", pool))
         paper_options = [k for k, v in paper_options if v is not None]
@@ -276,6 +277,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             create_plates=create_plates,
             stick_the_landing=stick_the_landing,
             conditional="linear",  # (the branch guide's conjugate levels: this guide's levels come from networks)
+            num_summary_samples=num_summary_samples,
         )
         self.conditional_form = conditional
         self.expansion = expansion
@@ -650,7 +652,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
                 self._decoded[name] = self._encode(name, args, kwargs, calls, observations, indices, local_data)
             self._expanded = {}
             if self.expanded_levels:
-                self._add_expansions(args, kwargs, calls)
+                self._add_expansions(args, kwargs, calls, indices)
             yield
         finally:
             self._calls = None
@@ -684,7 +686,9 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             values.update(self._level_values(level, centres[level.name]))
         return values, centres
 
-    def _add_expansions(self, args: tuple, kwargs: dict, calls: dict[str, PlateCall]) -> None:
+    def _add_expansions(
+        self, args: tuple, kwargs: dict, calls: dict[str, PlateCall], indices: dict[str, torch.Tensor]
+    ) -> None:
         r"""The model's own pseudo-observation of each expanded level's elements on this call: the second-order
         expansion of the rest of the model (the level's likelihood) at :meth:`_expansion_point`, with gradient
         :math:`g_i` and curvature :math:`F_i` there (:func:`~pyro_hier.conjugate.element_expansion`), is the Gaussian
@@ -701,45 +705,45 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         calls_done = float(self.references.training_calls.detach()) if hasattr(self.references, "training_calls") else 0
         cached = self._expansion_cache
         if cached is not None and cached[0] == key and calls_done - cached[1] < EXPANSION_EVERY:
-            self._expanded = cached[3]
+            self._expanded = self._at_elements(cached[3], cached[4], indices, "the call")
             return
         refreshes = 0 if cached is None or cached[0] != key else cached[2] + 1
         old = None if cached is None or cached[0] != key else cached[3]
+        held = {p: c.indices for p, c in calls.items()}
         try:
             with keep_random_state():  # (inspection runs: init strategies draw from the prior)
                 made = self._expansions_of_call(args, kwargs, calls, refreshes, old)
         except Unobserved:  # the observations omitted (Predictive): the last call with data, at these elements
-            made = self._expansions_without_data(calls)
+            if self._data_expansion is None:
+                raise StructureError(
+                    "the observed sites are not observed in this call (observations omitted, as in "
+                    "Predictive(model, guide=guide) with obs=None) and the guide has not been called with its data "
+                    "yet: call the guide (or train it) on the data first"
+                ) from None
+            made = self._at_elements(*self._data_expansion, held, "the last call that had the observations")
         else:
-            self._data_expansion = (made, {p: c.indices for p, c in calls.items()})
-        self._expansion_cache = (key, calls_done, refreshes, made)
-        self._expanded = made
+            self._data_expansion = (made, held)
+        self._expansion_cache = (key, calls_done, refreshes, made, held)
+        self._expanded = self._at_elements(made, held, indices, "the call")
 
-    def _expansions_without_data(self, calls: dict[str, PlateCall]) -> dict:
-        """The expansions of the last call that had the data, at the elements of this call (which omits them)."""
+    def _at_elements(self, made: dict, held: dict, want: dict, source: str) -> dict:
+        """Expansions ``made`` at the plates' elements ``held`` cut to the elements ``want`` (the guide's plates, or
+        another call's)."""
         assert self.structure is not None
-        if self._data_expansion is None:
-            raise StructureError(
-                "the observed sites are not observed in this call (observations omitted, as in "
-                "Predictive(model, guide=guide) with obs=None) and the guide has not been called with its data yet: "
-                "call the guide (or train it) on the data first"
-            )
-        made, held = self._data_expansion
         out = {}
         for name, parts in made.items():
             level = self._levels[name]
             for p, dim in zip(level.plates, level.dims, strict=True):
-                have, want = held[p], calls[p].indices.to(held[p].device)
-                if have.shape == want.shape and torch.equal(have, want):
+                have, wanted = held[p], want[p].to(held[p].device)
+                if have.shape == wanted.shape and torch.equal(have, wanted):
                     continue
                 inverse = torch.full((self.structure.plates[p].size,), -1, dtype=torch.long, device=have.device)
                 inverse[have] = torch.arange(have.shape[0], device=have.device)
-                pos = inverse[want]
+                pos = inverse[wanted]
                 if bool((pos < 0).any()):
                     raise StructureError(
-                        f"the observed sites are not observed in this call, so the guide expands the likelihood of "
-                        f"the last call that had them; elements {want[pos < 0][:10].tolist()} of plate '{p}' were not "
-                        "in it. Call the guide once on the data of every element asked for."
+                        f"the guide expands the likelihood of {source}; elements {wanted[pos < 0][:10].tolist()} of "
+                        f"plate '{p}' were not in it. Call the guide once on the data of every element asked for."
                     )
                 info, natural, slopes = parts
                 event = [info.dim() - natural.dim() + 1, 1] + ([2, 2] if slopes is not None else [])
