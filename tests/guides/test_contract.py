@@ -464,7 +464,9 @@ def test_init_loc_fn_and_init_scale_set_the_start(name):
                 want = torch.zeros_like(want)
             # the paper form's readout starts at 1e-3 of its inputs, not at zero
             tol = 0.04 if sampled else (2e-3 if name == "amortized-paper" else 1e-6)
-            if (conjugate or amortized_conjugate) and site == "z":  # 5 standard errors of a median of 4,000 draws with the prior's sd 1
+            if (
+                conjugate or amortized_conjugate
+            ) and site == "z":  # 5 standard errors of a median of 4,000 draws with the prior's sd 1
                 tol = 5 * 1.2533 / 4000**0.5
             torch.testing.assert_close(med[site], want, atol=tol, rtol=0, msg=f"{label}: {site}")
         q = quantiles(guide, [0.158655, 0.841345])
