@@ -68,11 +68,13 @@ from pyro_hier.plates import PlateCall, PlateRecorder
 
 __all__ = [
     "GaussianPrior",
+    "Unobserved",
     "capture_priors",
     "conjugate_conditional",
     "element_curvature",
     "element_expansion",
     "gaussian_prior",
+    "gaussian_update",
     "line_searched_mean",
     "newton_mean",
     "precision_to_scale_tril",
@@ -241,6 +243,7 @@ def element_expansion(
     to_values: Callable[[torch.Tensor], dict[str, torch.Tensor]],
     plate_scale: float,
     subsamples: dict[str, torch.Tensor] | None = None,
+    observed: Iterable[str] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""The second-order expansion of the rest of the model at each element of a level: the gradient
     :math:`g_i = \partial \log p(\text{everything but the level's own prior}) / \partial u_i` ``(..., d)`` and the
@@ -252,12 +255,18 @@ def element_expansion(
     Hessian-vector products (one per coordinate, all elements at once) give every block. Log densities are weighted by
     each site's scale divided by ``plate_scale`` (the level's plates' subsampling factor): a group's own data count
     once, and an observation plate subsampled on its own is scaled up to the whole.
+
+    :raises Unobserved: if a site of ``observed`` is sampled, not observed, in this call (its data omitted, as in
+        ``Predictive(model, guide=guide)`` with ``obs=None``): the expansion would read a draw as data.
     """
     with torch.enable_grad():
         u = level_u.detach().clone().requires_grad_(True)
         own = to_values(u)
         with poutine.block(), _PlateReplay(subsamples or {}):  # recorded here, hidden from the caller's handlers
             trace = poutine.trace(poutine.condition(model, {**values, **own})).get_trace(*args, **kwargs)
+        missing = [n for n in observed if n in trace.nodes and not trace.nodes[n]["is_observed"]]
+        if missing:
+            raise Unobserved(f"the observed site(s) {missing} are not observed in this call")
         total = u.new_zeros(())
         for name, site in trace.nodes.items():
             if site["type"] != "sample" or name in own or isinstance(site["fn"], _Subsample):
@@ -282,6 +291,10 @@ def element_expansion(
             (col,) = torch.autograd.grad(grad, u, grad_outputs=probe, retain_graph=k + 1 < d, allow_unused=True)
             columns.append(torch.zeros_like(u) if col is None else -col)
     return grad.detach(), torch.stack(columns, -1).detach()
+
+
+class Unobserved(LookupError):
+    """:func:`element_expansion` was asked to expand a likelihood whose data this call omits."""
 
 
 def element_curvature(
@@ -329,12 +342,12 @@ def conjugate_conditional(
         lam_ref = (fisher_sd * factor).pow(2)
         p_ref = ref_precision if ref_precision.dim() == mean.dim() else ref_precision.diagonal(dim1=-2, dim2=-1)
         lam = lam_ref if log_stretch is None else lam_ref * (2 * log_stretch).exp()
-        p0 = prior.precision if prior.diagonal else prior.precision.diagonal(dim1=-2, dim2=-1)
-        eta = p0 * prior.loc + lam_ref * ref_loc + (p_ref + lam_ref) * (mean - ref_loc)
+        natural = lam_ref * ref_loc + (p_ref + lam_ref) * (mean - ref_loc)
         if shift is not None:
-            eta = eta + shift
-        precision = p0 + lam
-        return eta / precision, precision.rsqrt()
+            natural = natural + shift
+        if not prior.diagonal:  # (independent coordinates: the prior's precision diagonal)
+            prior = GaussianPrior(prior.loc, prior.precision.diagonal(dim1=-2, dim2=-1))
+        return gaussian_update(prior, lam, natural)
     # R L with R the reference curvature's Cholesky factor (its sds when only those are kept): Λ̄ = R L LᵀRᵀ
     root = _root(fisher_sd, factor, mean)
     lam_ref = root @ root.mT
@@ -348,12 +361,31 @@ def conjugate_conditional(
         lam = e.unsqueeze(-1) * lam_ref * e.unsqueeze(-2)
     else:
         lam = lam_ref
+    return gaussian_update(prior, lam, natural)
+
+
+def gaussian_update(
+    prior: GaussianPrior, precision: torch.Tensor, natural: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""The prior conditional times a Gaussian pseudo-observation given in natural parameters: ``(loc, scale)`` of
+
+    .. math:: \mathcal N\big((P_0 + \Lambda)^{-1}(P_0 m_0 + \eta),\ (P_0 + \Lambda)^{-1}\big),
+
+    with :math:`\Lambda` = ``precision`` and :math:`\eta` = ``natural`` (``(..., d)``: :math:`\Lambda t` of the
+    pseudo-observation :math:`\mathcal N(t;\ u, \Lambda^{-1})`). ``scale`` is the sd ``(..., d)`` when the prior's
+    precision and ``precision`` are both diagonal (vectors ``(..., d)``), else the lower Cholesky factor of the
+    covariance ``(..., d, d)``. :math:`\Lambda` need not be invertible (a group with fewer observations than
+    dimensions)."""
+    if prior.diagonal and precision.dim() == natural.dim():
+        total = prior.precision + precision
+        return (prior.precision * prior.loc + natural) / total, total.rsqrt()
     p0 = prior.full_precision()
-    precision = p0 + lam
+    lam = precision if precision.dim() > natural.dim() else torch.diag_embed(precision)
+    total = p0 + lam
     eta = (p0 @ prior.loc.unsqueeze(-1)).squeeze(-1) + natural
-    chol = torch.linalg.cholesky(precision)
+    chol = torch.linalg.cholesky(total)
     loc = torch.cholesky_solve(eta.unsqueeze(-1), chol).squeeze(-1)
-    return loc, precision_to_scale_tril(precision)
+    return loc, precision_to_scale_tril(total)
 
 
 def _root(fisher_sd: torch.Tensor, factor: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,7 @@ __all__ = [
     "element_selection",
     "gathered_rows",
     "open_plates",
+    "plate_indices",
 ]
 
 
@@ -179,6 +180,11 @@ def element_selection(
         else:
             out[dim] = plate.indices if plate.subsample_size < plate.size else None
     return out
+
+
+def plate_indices(plates: dict[str, pyro.plate]) -> dict[str, torch.Tensor]:
+    """The indices of a guide's plates on this call, by name (to replay in the model's own runs)."""
+    return {name: p.indices for name, p in plates.items()}
 
 
 def enter_plates(stack: ExitStack, plates: dict[str, pyro.plate], names: Iterable[str]) -> None:

@@ -28,7 +28,7 @@ from pyro_hier.distributions import StickingTheLanding
 from pyro_hier.gather_maps import CallGathers, GatherMaps, full_call_gathers, full_data_call
 from pyro_hier.guides.base import HierarchicalGuide
 from pyro_hier.optim import tail_average_update
-from pyro_hier.plates import PlateCall, element_selection, enter_plates
+from pyro_hier.plates import PlateCall, element_selection, enter_plates, plate_indices
 from pyro_hier.sparse import select_elements
 from pyro_hier.structure import ModelStructure, PlateLevel
 from pyro_hier.transforms import positive, positive_inv, raw_from_scale_tril, scale_tril_from_raw
@@ -245,7 +245,13 @@ class AutoBranchGuide(HierarchicalGuide):
         in unconstrained space (:func:`~pyro_hier.conjugate.gaussian_prior`) and depend on no other site of the level
         nor on a latent the guide does not sample (an enumerated one). A hook: the amortized guide keeps its own
         forms."""
-        if self.conditional_form != "conjugate" or not level.plates:
+        return self.conditional_form == "conjugate" and self._gaussian_given_parents(level, structure)
+
+    def _gaussian_given_parents(self, level: PlateLevel, structure: ModelStructure) -> bool:
+        """Whether a plated level's sites' prior conditionals are Gaussian in unconstrained space
+        (:func:`~pyro_hier.conjugate.gaussian_prior`) and depend on no other site of the level nor on a latent the
+        guide does not sample (an enumerated one)."""
+        if not level.plates:
             return False
         sampled = set(self.guide_sites)
         for name in level.sites:
@@ -338,7 +344,7 @@ class AutoBranchGuide(HierarchicalGuide):
                 centre = self.averages.loc.detach()
             centres[level.name] = centre
             values.update(self._level_values(level, centre))
-        subsamples = _indices(plates)
+        subsamples = plate_indices(plates)
         fns, _ = capture_priors(self.model, args, kwargs, values, [s for lv in stale for s in lv.sites], subsamples)
         for level in stale:
             prior = self._level_prior(level, fns)
@@ -790,11 +796,7 @@ class AutoBranchGuide(HierarchicalGuide):
             self._refresh_references(args, kwargs, plates, training)
         try:
             for level in self.levels:
-                if level.name in self.conjugate_levels:  # the prior conditional at the ancestors' draws, from the model
-                    fns, _ = capture_priors(self.model, args, kwargs, dict(result), level.sites, _indices(plates))
-                    q = self._conjugate_distribution(level, self._level_prior(level, fns), values, plates)
-                else:
-                    q = self._level_distribution(level, values, plates)  # parameters read (and cut) outside the plates
+                q = self._call_distribution(level, args, kwargs, values, result, plates)
                 with ExitStack() as stack:
                     enter_plates(stack, plates, level.plates)
                     u = pyro.sample(f"_{self._pyro_name}_{level.name}_unconstrained", q, infer={"is_auxiliary": True})
@@ -804,6 +806,28 @@ class AutoBranchGuide(HierarchicalGuide):
         finally:
             self._gathers = outer
         return result
+
+    def _call_distribution(
+        self,
+        level: PlateLevel,
+        args: tuple,
+        kwargs: dict,
+        values: dict[str, torch.Tensor],
+        result: dict[str, torch.Tensor],
+        plates: dict[str, pyro.plate],
+    ) -> dist.TorchDistribution:
+        """q of a level's elements on this call, given the ancestors' draws (``values`` unconstrained by level,
+        ``result`` constrained by site); built outside the plates. A hook: the amortized guide's conjugate levels."""
+        if level.name in self.conjugate_levels:  # the prior conditional at the ancestors' draws, from the model
+            fns, _ = capture_priors(self.model, args, kwargs, dict(result), level.sites, plate_indices(plates))
+            return self._conjugate_distribution(level, self._level_prior(level, fns), values, plates)
+        return self._level_distribution(level, values, plates)  # parameters read (and cut) outside the plates
+
+    @property
+    def _prior_reading_levels(self) -> tuple[str, ...]:
+        """Levels whose conditional reads the model's prior conditional at the ancestors' draws on each call: their
+        marginals (and those of the levels below them) have no closed form, so the summaries are drawn."""
+        return self.conjugate_levels
 
     # ---- the globals' tail average ------------------------------------------------------------------------------
     def _global_leaves(self) -> dict[str, torch.Tensor]:
@@ -887,7 +911,7 @@ class AutoBranchGuide(HierarchicalGuide):
         :math:`B_{\\ell k} = \\sum_a A_{\\ell,a} B_{a k}`; so
         :math:`\\mathrm{Cov}(u_\\ell) = \\sum_k B_{\\ell k} B_{\\ell k}^\\top`.
         """
-        if self.conjugate_levels:
+        if self._prior_reading_levels:
             return self._drawn_level_moments(*args, **kwargs)
         with self._summary_gathers(args, kwargs):
             return self._level_moments()
@@ -999,7 +1023,7 @@ class AutoBranchGuide(HierarchicalGuide):
         """Constrained values at the mean of q in unconstrained space (the posterior median there), full size; with
         conjugate levels, the coordinatewise median of ``num_summary_samples`` draws."""
         self._require_setup(*args, **kwargs)
-        if self.conjugate_levels:
+        if self._prior_reading_levels:
             return {name: value[0] for name, value in self.quantiles([0.5], *args, **kwargs).items()}
         moments = self.level_moments(*args, **kwargs)
         return {
@@ -1019,13 +1043,13 @@ class AutoBranchGuide(HierarchicalGuide):
             guide.quantiles([0.05, 0.5, 0.95], x, y)["z"].shape  # (3, N, 1, D)
         """
         self._require_setup(*args, **kwargs)
-        if self.conjugate_levels:
+        if self._prior_reading_levels:
             # levels below a conjugate one have no closed-form marginal: draws, on the model's call on all the data;
             # the levels above every conjugate one (the globals) keep their exact quantiles
             with self._summary_call(args, kwargs) as (call_args, call_kwargs):
                 result = super().quantiles(quantiles, *call_args, **call_kwargs)
             for level in self.levels:
-                if not level.plates and level.name not in self.conjugate_levels:
+                if not level.plates and level.name not in self._prior_reading_levels:
                     loc, _, scale = self._level_params(level, None)
                     cov = scale.pow(2) if self._is_diagonal(level) else scale @ scale.mT
                     sd = cov if self._is_diagonal(level) else cov.diagonal(dim1=-2, dim2=-1)
@@ -1088,11 +1112,6 @@ def _as_list(plates) -> list:
 
 def _subsample_size(plate: pyro.plate | PlateCall) -> int:
     return plate.subsample_size
-
-
-def _indices(plates: dict[str, pyro.plate]) -> dict[str, torch.Tensor]:
-    """The indices of the guide's plates on this call (to replay in the model's own runs)."""
-    return {name: p.indices for name, p in plates.items()}
 
 
 def _element_index(buffer: torch.Tensor, selection: dict, event_dim: int) -> tuple:

@@ -247,19 +247,28 @@ def exact_linear_part(guide, dim):
     return weight, bias
 
 
+@pytest.mark.parametrize("conditional", ["conjugate", "linear"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_natural_form_contains_the_exact_conditional(dtype):
-    """Λ₀ = I (init_scale=1), m₀ = 0, B = I and a linear observation map L_j = x_j, t_j = y_j give p(z_i | θ, y)
-    exactly."""
+def test_natural_form_contains_the_exact_conditional(dtype, conditional):
+    """A linear observation map L_j = x_j, t_j = y_j gives p(z_i | θ, y) exactly: with the model's prior conditional
+    (conjugate), or with Λ₀ = I (init_scale=1), m₀ = 0, B = I (linear)."""
     p = synthetic_regression(num_groups=6, num_obs=9, dim=3, seed=1, dtype=dtype)
-    guide = AutoAmortizedBranchGuide(p.model, local_features=features_of, observation_net=(), init_scale=1.0)
+    guide = AutoAmortizedBranchGuide(
+        p.model,
+        local_features=features_of,
+        observation_net=(),
+        init_scale=1.0,
+        conditional=conditional,
+        expansion=False,
+    )
     assert guide.form == "natural"
     guide(*p.args)
     with torch.no_grad():
         weight, bias = exact_linear_part(guide, 3)
         guide.nets["groups"]["observations"]["0"][1].linear.weight.copy_(weight)
         guide.nets["groups"]["observations"]["0"][1].linear.bias.copy_(bias)
-        guide.natural.groups_coupling.copy_(torch.eye(3))
+        if conditional == "linear":
+            guide.natural.groups_coupling.copy_(torch.eye(3))
     q = guide.local_posterior(*p.args)["groups"]
     mu, A, Sigma = p.branch_conditionals()
     tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {}
@@ -269,7 +278,7 @@ def test_natural_form_contains_the_exact_conditional(dtype):
     # ... and the untrained guide is far from it (the check can fail); a fresh param store, or the new guide of the
     # same class would adopt the first one's parameters, as PyroParams do
     pyro.clear_param_store()
-    fresh = AutoAmortizedBranchGuide(p.model, local_features=features_of, observation_net=())
+    fresh = AutoAmortizedBranchGuide(p.model, local_features=features_of, observation_net=(), expansion=False)
     fresh(*p.args)
     assert (fresh.local_posterior(*p.args)["groups"]["loc"].squeeze(1).double() - mu).abs().max() > 0.1
 
@@ -320,10 +329,13 @@ def test_natural_form_options():
 
 
 def fit_natural(p, args, steps, lr, final=0.01, batch=None, seed=0, particles=1):
-    """The default guide (linear observation map) with sticking the landing, ClippedAdam decaying to lr · final."""
+    """The natural form's networks (linear observation map; the model's prior conditional, without its likelihood's
+    expansion) with sticking the landing, ClippedAdam decaying to lr · final."""
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
-    guide = AutoAmortizedBranchGuide(p.model, local_features=features_of, observation_net=(), stick_the_landing=True)
+    guide = AutoAmortizedBranchGuide(
+        p.model, local_features=features_of, observation_net=(), stick_the_landing=True, expansion=False
+    )
     guide(*args)
     optim = pyro.optim.ClippedAdam({"lr": lr, "lrd": final ** (1 / max(steps, 1)), "clip_norm": 1e9})
     svi = SVI(
@@ -359,6 +371,32 @@ def test_natural_form_thousand_groups_within_five_hundredths_of_a_nat_per_group(
     gap = (p.log_evidence - elbo) / 1000
     assert se / 1000 < 0.002
     assert gap < 0.05, (gap, se / 1000)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_default_conditional_is_exact_before_training_for_a_gaussian_likelihood(dtype):
+    """The default: the model's prior conditional at the globals' draw times the model's own expansion of the group's
+    likelihood, which is the likelihood itself when it is Gaussian: p(z_i | θ, y) with no training and no
+    covariates given (the expansion reads them from the model)."""
+    p = synthetic_regression(num_groups=6, num_obs=9, dim=3, seed=1, dtype=dtype)
+    guide = AutoAmortizedBranchGuide(p.model)
+    assert guide.form == "natural" and guide.conditional_form == "conjugate"
+    guide(*p.args)
+    assert guide.prior_levels == ("groups",) and guide.expanded_levels == ("groups",)
+    assert guide.network_levels == ()  # the model's expansion alone: no parameter for the groups
+    q = guide.local_posterior(*p.args)["groups"]
+    mu, A, Sigma = p.branch_conditionals()
+    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {}
+    torch.testing.assert_close(q["loc"].squeeze(1).double(), mu, **tol)
+    torch.testing.assert_close(q["weight"].squeeze(1).double(), A, **tol)
+    torch.testing.assert_close((q["scale_tril"] @ q["scale_tril"].mT).squeeze(1).double(), Sigma, **tol)
+    assert guide.median(*p.args)["z"].shape == (6, 1, 3)
+    with pytest.raises(ValueError, match="conjugate conditional"):
+        guide.conditional("groups")
+    with pytest.raises(ValueError, match="conditional='conjugate' belongs to form='natural'"):
+        AutoAmortizedBranchGuide(p.model, form="paper", conditional="conjugate")
+    with pytest.raises(ValueError, match="expansion must be True or False"):
+        AutoAmortizedBranchGuide(p.model, expansion=None)
 
 
 def two_observed_sites_model(y1, y2):
