@@ -51,10 +51,11 @@ from pyro.ops.tensor_utils import periodic_repeat
 from torch import nn
 from torch.distributions import constraints, register_kl
 
-from pyro_hier.conjugate import capture_priors, gaussian_prior
+from pyro_hier.conjugate import capture_priors, element_curvature, gaussian_prior
 from pyro_hier.errors import StructureError
 from pyro_hier.guides.base import HierarchicalGuide, _strip_trailing_ones, empirical_quantiles, parameter_keys
 from pyro_hier.guides.branch import _concat_broadcast
+from pyro_hier.optim import tail_average_update
 from pyro_hier.plates import element_selection, enter_plates
 from pyro_hier.sparse import select_elements
 from pyro_hier.structure import LatentSite, ModelStructure
@@ -82,6 +83,10 @@ MAX_STRETCH = 5.0
 #: start within 250 steps of the drop-in loop, while λ's scales were still near their init, and the centred eight
 #: schools' tau collapsed (0.08 of its posterior sd, max error 0.93 sd)
 SLOPE_RATE = 0.1
+#: the fraction of the training calls so far that the tail average of q's parameters remembers (outside training q
+#: uses that average: ``Predictive``, ``median``, ``quantiles``). In the drop-in loop on the synthetic regression
+#: (seed 0) the max error of the means went from 0.148 to 0.098 sd
+TAIL_FRACTION = 0.25
 
 
 # ---- the variational prior: a reparameterisable mixture of diagonal Gaussians -------------------------------------
@@ -592,6 +597,58 @@ class AutoHierarchicalVM(HierarchicalGuide):
         self.parents: dict[str, tuple[str, ...]] = self._level_parents(self.levels)
         for level in self.levels:
             self._setup_level(level)
+        # the tail average of q's parameters (see _element_params): state without gradients, kept as parameters so
+        # that Pyro's param store, state_dict and pickling carry it; levels of continuous sites only, without a
+        # subsampled plate
+        self.averages = PyroModule()
+        self._averaged: tuple[str, ...] = tuple(
+            attr
+            for level in self.levels
+            if all(s.continuous for s in level.sites) and not any(structure.plates[p].subsampled for p in level.plates)
+            for attr in self._q_keys(level)
+        )
+        for attr in self._averaged:
+            event_dim = self.prior_params._pyro_params[attr][1]
+            value = getattr(self.prior_params, attr).detach().clone()
+            setattr(self.averages, attr, PyroParam(value, constraints.real, event_dim=event_dim))
+            getattr(self.averages, attr)  # (read once: a trace of this call records the parameter, not its init)
+        if self._averaged:
+            self.averages.count = PyroParam(torch.zeros(()).to(value), constraints.real)
+            _ = self.averages.count
+
+    def _q_keys(self, level: _Level) -> list[str]:
+        """The level's parameters of ``q(z)`` itself (``prior_params``: λ's prior and the slopes on the parents),
+        not of ``r``."""
+        keys = [f"{level.key}_{k}" for k in self._prior_keys()]
+        if self.parents[level.name]:
+            keys += [f"{spec.key}_slopes" for spec in level.sites if spec.continuous]
+        return keys
+
+    def state_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """The guide's parameters that are state, not optimised (no gradient reaches them): the tail average of
+        ``q``'s parameters and its count. Leave them out of hand-built optimisers."""
+        return {f"averages.{k}": v for k, v in self.averages.named_parameters()}
+
+    @torch.no_grad()
+    def _update_averages(self) -> None:
+        """A training call (gradients on): add the current parameters to their tail average (about the last
+        :data:`TAIL_FRACTION` of the calls so far; :func:`~pyro_hier.optim.tail_average_update`). Read as the raw
+        tensors, so ``SVI``'s parameter capture does not see them."""
+        count = self.averages.get_parameter("count_unconstrained")
+        count.add_(1)
+        n = int(count)
+        for attr in self._averaged:
+            average = self.averages.get_parameter(f"{attr}_unconstrained")
+            tail_average_update(average, self.prior_params.get_parameter(f"{attr}_unconstrained"), n, TAIL_FRACTION)
+
+    def _use_average(self) -> bool:
+        """Outside training (``Predictive``, ``median``, ``quantiles``: any call without gradients) ``q`` uses the tail
+        average of its parameters instead of the last iterate."""
+        return (
+            bool(self._averaged)
+            and not torch.is_grad_enabled()
+            and float(self.averages.get_parameter("count_unconstrained")) > 0
+        )
 
     @staticmethod
     def _level_parents(levels: tuple[_Level, ...]) -> dict[str, tuple[str, ...]]:
@@ -764,7 +821,10 @@ class AutoHierarchicalVM(HierarchicalGuide):
             dims = [self.structure.plates[p].dim for p in level.plates]
             selection = element_selection(plates, level.plates, dims)
         out = {}
+        average = self._use_average()
         for params, attr in keys:
+            if average and params is self.prior_params and attr in self._averaged:
+                params = self.averages
             value = getattr(params, attr)
             if selection is not None:
                 value = select_elements(value, selection, params._pyro_params[attr][1])
@@ -940,13 +1000,49 @@ class AutoHierarchicalVM(HierarchicalGuide):
                 d_loc = (plus.loc - minus.loc) / (2 * h)
                 d_log_sd = -0.5 * (plus.precision.log() - minus.precision.log()) / (2 * h)
                 rows[n].append(torch.stack([d_loc, d_log_sd], -1))
+        shrink = self._shrinkage(level, values, wanted)
         out = {}
         for spec in level.sites:
             if spec.name in wanted and rows[spec.name]:
                 slopes = torch.stack(rows[spec.name], -1)  # (*fn batch, C, 2, n)
-                out[spec.name] = slopes.expand((*slopes.shape[:-3], spec.num_coords, 2, len(columns))).reshape(
+                slopes = slopes.expand((*slopes.shape[:-3], spec.num_coords, 2, len(columns))).reshape(
                     (*level.batch_shape, spec.num_coords, 2, len(columns))
                 )
+                out[spec.name] = slopes * shrink[spec.name][..., None, None]
+        return out
+
+    def _shrinkage(self, level: _Level, values: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
+        r"""Per coordinate of the level's sites ``names`` (Gaussian prior conditionals), the share
+        :math:`\rho = P / (P + H)` of the prior's precision :math:`P` in the conditional posterior's, with :math:`H`
+        the curvature of the rest of the model (:func:`~pyro_hier.conjugate.element_curvature`) at the init values,
+        ``(*batch, C)``. For a Gaussian prior and a Gaussian likelihood the posterior's location moves with the
+        parents' by :math:`\rho` times the prior's slope (and its log-sd by :math:`\rho` times that of the prior):
+        weakly identified elements start non-centred, well identified ones centred."""
+        assert self.structure is not None
+        st = self.structure
+        if not names:
+            return {}
+        specs = [s for s in level.sites if s.name in names]
+        us = {s.name: torch.distributions.biject_to(st.latent[s.name].support).inv(values[s.name]) for s in specs}
+        level_u = torch.cat([us[s.name].reshape((*level.batch_shape, s.num_coords)) for s in specs], -1)
+
+        def to_values(u: torch.Tensor) -> dict[str, torch.Tensor]:
+            out, start = {}, 0
+            for spec in specs:
+                part = u[..., start : start + spec.num_coords].reshape(us[spec.name].shape)
+                out[spec.name] = torch.distributions.biject_to(st.latent[spec.name].support)(part)
+                start += spec.num_coords
+            return out
+
+        curvature = element_curvature(self.model, st.args, st.kwargs, values, level_u, to_values, 1.0)
+        h = curvature.diagonal(dim1=-2, dim2=-1).clamp(min=0.0)
+        fns, _ = capture_priors(self.model, st.args, st.kwargs, values, names)
+        out, start = {}, 0
+        for spec in specs:
+            prec = gaussian_prior(fns[spec.name], st.latent[spec.name].support).precision
+            prec = prec.expand((*prec.shape[:-1], spec.num_coords)).reshape((*level.batch_shape, spec.num_coords))
+            out[spec.name] = prec / (prec + h[..., start : start + spec.num_coords])
+            start += spec.num_coords
         return out
 
     def _standardiser(
@@ -1067,6 +1163,8 @@ class AutoHierarchicalVM(HierarchicalGuide):
         if self.prior == "flow":  # adopt the param store's values (e.g. after pyro.get_param_store().load(...))
             pyro.module(self._pyro_get_fullname("flows"), self._modules["flows"], update_module_params=True)
         plates = self._create_plates(*args, **kwargs)
+        if self._averaged and torch.is_grad_enabled() and not torch.jit.is_tracing():
+            self._update_averages()
         result: dict[str, torch.Tensor] = {}
         parent_values: dict[str, torch.Tensor] = {}
         wanted = {p for ps in self.parents.values() for p in ps}
