@@ -33,6 +33,7 @@ refused with an error; see :class:`AutoHierarchicalVM`.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -489,6 +490,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
         init_spread: float = 1.0,
         num_summary_samples: int = 2000,
         baseline_beta: float | None = None,
+        condition_on_parents: bool = True,
         create_plates: Callable | None = None,
     ) -> None:
         if prior not in _PRIORS:
@@ -507,6 +509,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
         if baseline_beta is not None and not (isinstance(baseline_beta, int | float) and 0 <= baseline_beta < 1):
             raise ValueError(f"baseline_beta must be None or in [0, 1), got {baseline_beta!r}")
         self.baseline_beta = baseline_beta
+        self.condition_on_parents = bool(condition_on_parents)
         self.prior = prior
         self.num_components = num_components
         self.flow_layers = flow_layers
@@ -595,6 +598,8 @@ class AutoHierarchicalVM(HierarchicalGuide):
         self.aux_params = PyroModule()
         self.flows = nn.ModuleDict()
         self.parents: dict[str, tuple[str, ...]] = self._level_parents(self.levels)
+        if not self.condition_on_parents:
+            self.parents = {name: () for name in self.parents}
         for level in self.levels:
             self._setup_level(level)
         # the tail average of q's parameters (see _element_params): state without gradients, kept as parameters so
@@ -629,10 +634,27 @@ class AutoHierarchicalVM(HierarchicalGuide):
         ``q``'s parameters and its count. Leave them out of hand-built optimisers."""
         return {f"averages.{k}": v for k, v in self.averages.named_parameters()}
 
+    def _attach_hook(self) -> None:
+        """Hook :meth:`_update_averages` onto the gradient accumulation of one of q's parameters (once per tensor:
+        again after unpickling, loading or moving): it then follows any training loop, eager or JIT-compiled, and a
+        call that is not followed by a backward pass (a summary, a manual call) changes nothing."""
+        leaf = self.prior_params.get_parameter(f"{self._averaged[0]}_unconstrained")
+        hooked = getattr(self, "_hooked", None)
+        if (hooked is not None and hooked() is leaf) or not leaf.requires_grad:
+            return
+        self._hooked = weakref.ref(leaf)
+        guide = weakref.ref(self)
+        leaf.register_post_accumulate_grad_hook(lambda t, guide=guide: _average_hook(guide))
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state["_hooked"] = None  # gradient hooks are not pickled: the first training call installs them again
+        return state
+
     @torch.no_grad()
     def _update_averages(self) -> None:
-        """A training call (gradients on): add the current parameters to their tail average (about the last
-        :data:`TAIL_FRACTION` of the calls so far; :func:`~pyro_hier.optim.tail_average_update`). Read as the raw
+        """After a training step's backward pass: add the current parameters to their tail average (about the last
+        :data:`TAIL_FRACTION` of the steps so far; :func:`~pyro_hier.optim.tail_average_update`). Read as the raw
         tensors, so ``SVI``'s parameter capture does not see them."""
         count = self.averages.get_parameter("count_unconstrained")
         count.add_(1)
@@ -1163,8 +1185,8 @@ class AutoHierarchicalVM(HierarchicalGuide):
         if self.prior == "flow":  # adopt the param store's values (e.g. after pyro.get_param_store().load(...))
             pyro.module(self._pyro_get_fullname("flows"), self._modules["flows"], update_module_params=True)
         plates = self._create_plates(*args, **kwargs)
-        if self._averaged and torch.is_grad_enabled() and not torch.jit.is_tracing():
-            self._update_averages()
+        if self._averaged and torch.is_grad_enabled():
+            self._attach_hook()
         result: dict[str, torch.Tensor] = {}
         parent_values: dict[str, torch.Tensor] = {}
         wanted = {p for ps in self.parents.values() for p in ps}
@@ -1304,6 +1326,12 @@ class AutoHierarchicalVM(HierarchicalGuide):
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
+
+
+def _average_hook(guide: weakref.ref) -> None:
+    live = guide()
+    if live is not None:
+        live._update_averages()
 
 
 def _start_as_identity(layer: nn.Module) -> None:
