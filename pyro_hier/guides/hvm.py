@@ -426,8 +426,25 @@ class AutoHierarchicalVM(HierarchicalGuide):
       continuous sites). Each term of :math:`\log r` depends on one latent coordinate, which keeps the
       score-function learning signal local (eq. 8).
 
-    Elements of a plate are independent (mean field over plate elements); their parameters have the plates' full
-    sizes and are sliced by the model's own subsample indices, so minibatch training is unbiased.
+    **Conditioning on the parents** (``condition_on_parents=True``, continuous sites). A continuous site of a plate
+    level depends on the continuous values of its *parent* levels (those whose plates are a strict subset of its own:
+    the globals, outer plates) through an affine map: :math:`z_c = a_c + e^{b_c} w_c` with :math:`w` the HVM draw
+    above and :math:`(a_c, b_c) = S_c\,(u_{\text{pa}} - \bar u_{\text{pa}})` linear in the parents' unconstrained
+    values (centred). Each level is then an HVM conditioned on its parents, :math:`q(z) = \prod_\ell
+    q(z_\ell \mid z_{\text{pa}(\ell)})`, and the bound holds level by level with ``r`` reading :math:`w`. The
+    slopes :math:`S` start at the model's: for a Gaussian prior conditional, its location's and log-sd's derivatives
+    in the parents times the shrinkage :math:`P / (P + H)` (prior precision over prior plus data curvature at the init
+    values), so weakly identified groups start non-centred (:math:`\theta_i = \mu + \tau w_i`) and well
+    identified ones centred; they move at :data:`SLOPE_RATE` times Adam's rate. This lets ``q`` express the
+    dependence of group effects on the population location and scale that mean-field families miss (a funnel's).
+
+    **Averaging.** Outside training (``Predictive``, ``median``, ``quantiles``: calls without gradients) ``q`` uses the
+    tail average of its parameters over about the last :data:`TAIL_FRACTION` of the training steps (Polyak–Ruppert),
+    for levels of continuous sites without a subsampled plate; ``r``'s parameters are not averaged (they do not enter
+    the draws). The average is state without gradients (:meth:`state_parameters`).
+
+    Elements of a plate are independent given the parents; their parameters have the plates' full sizes and are
+    sliced by the model's own subsample indices, so minibatch training is unbiased.
 
     **Loss.** Use Pyro's ``Trace_ELBO`` (also vectorised or JIT), ``TraceGraph_ELBO`` (lower variance for discrete
     sites: each score is weighted by its downstream costs only) or ``TraceEnum_ELBO`` (when other discrete sites of
@@ -472,6 +489,8 @@ class AutoHierarchicalVM(HierarchicalGuide):
     :param baseline_beta: if given (e.g. ``0.9``), ``TraceGraph_ELBO`` subtracts a running-average baseline with this
         decay from each discrete site's learning signal (unbiased; lowers the score-function variance). Other ELBOs
         ignore it. Pyro keeps that average per particle, so keep ``num_particles`` fixed during a run.
+    :param condition_on_parents: condition continuous sites on their parent levels' values (above); ``False``: levels
+        independent, as in the original HVM.
     :param create_plates: optional plates to use instead of the model's (as in ``AutoNormal``).
 
     Reference: R. Ranganath, D. Tran, D. Blei, *Hierarchical Variational Models*, ICML 2016.
@@ -683,9 +702,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
                 out[level.name] = ()
                 continue
             out[level.name] = tuple(
-                lv.name
-                for lv in levels
-                if set(lv.plates) < set(level.plates) and any(s.continuous for s in lv.sites)
+                lv.name for lv in levels if set(lv.plates) < set(level.plates) and any(s.continuous for s in lv.sites)
             )
         return out
 
@@ -977,8 +994,8 @@ class AutoHierarchicalVM(HierarchicalGuide):
             if spec.continuous:
                 centre = cut(self._standardiser(level, spec, params)[0])
                 batch = centre.shape[: centre.dim() - len(spec.elem_shape)]
-                u = values[spec.name].reshape(lead + (spec.num_coords,))
-                parts.append(u - centre.reshape(batch + (-1,)))
+                u = values[spec.name].reshape((*lead, spec.num_coords))
+                parts.append(u - centre.reshape((*batch, -1)))
         return torch.cat(parts, -1)
 
     def _model_slopes(self, level: _Level) -> dict[str, torch.Tensor]:
