@@ -1026,9 +1026,13 @@ class AutoHierarchicalVM(HierarchicalGuide):
             for sign in (1.0, -1.0):
                 shifted = u.reshape(-1, spec.num_coords).clone()
                 shifted[:, c] += sign * h
-                fns, _ = capture_priors(
-                    self.model, st.args, st.kwargs, {**values, name: transform(shifted.reshape(u.shape))}, wanted
-                )
+                # the same random numbers in both runs (sites the guide does not sample, e.g. enumerated ones, are
+                # drawn from the model), and the caller's generator left as it was
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(0)
+                    fns, _ = capture_priors(
+                        self.model, st.args, st.kwargs, {**values, name: transform(shifted.reshape(u.shape))}, wanted
+                    )
                 moments.append({n: gaussian_prior(fns[n], st.latent[n].support) for n in wanted})
             for n in wanted:
                 plus, minus = moments[0][n], moments[1][n]
@@ -1073,9 +1077,11 @@ class AutoHierarchicalVM(HierarchicalGuide):
                 start += spec.num_coords
             return out
 
-        curvature = element_curvature(self.model, st.args, st.kwargs, values, level_u, to_values, 1.0)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            curvature = element_curvature(self.model, st.args, st.kwargs, values, level_u, to_values, 1.0)
+            fns, _ = capture_priors(self.model, st.args, st.kwargs, values, names)
         h = curvature.diagonal(dim1=-2, dim2=-1).clamp(min=0.0)
-        fns, _ = capture_priors(self.model, st.args, st.kwargs, values, names)
         out, start = {}, 0
         for spec in specs:
             prec = gaussian_prior(fns[spec.name], st.latent[spec.name].support).precision
