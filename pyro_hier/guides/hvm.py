@@ -427,9 +427,9 @@ class AutoHierarchicalVM(HierarchicalGuide):
       score-function learning signal local (eq. 8).
 
     **Conditioning on the parents** (``condition_on_parents=True``, continuous sites). A continuous site of a plate
-    level depends on the continuous values of its *parent* levels (those whose plates are a strict subset of its own:
-    the globals, outer plates) through an affine map: :math:`z_c = a_c + e^{b_c} w_c` with :math:`w` the HVM draw
-    above and :math:`(a_c, b_c) = S_c\,(u_{\text{pa}} - \bar u_{\text{pa}})` linear in the parents' unconstrained
+    level depends on the continuous values of its *parent* level (the globals) through an affine map:
+    :math:`z_c = a_c + e^{b_c} w_c` with :math:`w` the HVM draw above and
+    :math:`(a_c, b_c) = S_c\,(u_{\text{pa}} - \bar u_{\text{pa}})` linear in the parents' unconstrained
     values (centred). Each level is then an HVM conditioned on its parents, :math:`q(z) = \prod_\ell
     q(z_\ell \mid z_{\text{pa}(\ell)})`, and the bound holds level by level with ``r`` reading :math:`w`. The
     slopes :math:`S` start at the model's: for a Gaussian prior conditional, its location's and log-sd's derivatives
@@ -489,8 +489,8 @@ class AutoHierarchicalVM(HierarchicalGuide):
     :param baseline_beta: if given (e.g. ``0.9``), ``TraceGraph_ELBO`` subtracts a running-average baseline with this
         decay from each discrete site's learning signal (unbiased; lowers the score-function variance). Other ELBOs
         ignore it. Pyro keeps that average per particle, so keep ``num_particles`` fixed during a run.
-    :param condition_on_parents: condition continuous sites on their parent levels' values (above); ``False``: levels
-        independent, as in the original HVM.
+    :param condition_on_parents: condition continuous sites of plate levels on the globals' values (above);
+        ``False``: levels independent, as in the original HVM.
     :param create_plates: optional plates to use instead of the model's (as in ``AutoNormal``).
 
     Reference: R. Ranganath, D. Tran, D. Blei, *Hierarchical Variational Models*, ICML 2016.
@@ -693,16 +693,17 @@ class AutoHierarchicalVM(HierarchicalGuide):
 
     @staticmethod
     def _level_parents(levels: tuple[_Level, ...]) -> dict[str, tuple[str, ...]]:
-        """Each level's *parents*: the earlier levels with a continuous site whose plates are a strict subset of its
-        own (the globals, and for nested plates the outer levels). A level's continuous sites are conditioned on
-        their parents' continuous values (:meth:`_affine`)."""
+        """Each plate level's *parents*: the global level, if it has a continuous site. A level's continuous sites are
+        conditioned on their parents' continuous values (:meth:`_affine`). Outer plate levels are not parents: a
+        model that gathers them by index (``a[region]`` in a plate of groups) would then get another guide than its
+        nested twin, which this guide cannot tell apart without reading the model's gathers."""
         out = {}
         for level in levels:
             if not any(s.continuous for s in level.sites):
                 out[level.name] = ()
                 continue
             out[level.name] = tuple(
-                lv.name for lv in levels if set(lv.plates) < set(level.plates) and any(s.continuous for s in lv.sites)
+                lv.name for lv in levels if not lv.plates and level.plates and any(s.continuous for s in lv.sites)
             )
         return out
 
