@@ -845,13 +845,15 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
                 1, math.prod(int(calls[p].indices.shape[0]) for p in level.plates)
             )
 
-            def expand(at: dict, level: PlateLevel = level, scale: float = scale) -> tuple:
+            def expand(
+                at: dict, u: torch.Tensor | None = None, level: PlateLevel = level, scale: float = scale
+            ) -> tuple:
                 return element_expansion(
                     self.model,
                     args,
                     kwargs,
                     at,
-                    centres[level.name],
+                    centres[level.name] if u is None else u,
                     lambda u: self._level_values(level, u),
                     scale,
                     subsamples,
@@ -867,7 +869,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
                 info = _psd_part(curvature)
                 natural = (info @ centre.unsqueeze(-1)).squeeze(-1) + gradient
             slopes = None
-            if self._has_slopes(level):
+            if self._reads_slopes(level, curvature, lambda at=values, u=centre: expand(at, u + 1.0)[1]):
                 kept = None if old is None else old[name][2]
                 if kept is None or refreshes % SLOPES_EVERY == 0:
                     prior = self._level_prior(level, {s: self._prior_fns[s] for s in level.sites})

@@ -26,7 +26,7 @@ from pyro_hier.errors import StructureError
 from pyro_hier.plates import PlateCall, capture_plates, check_plate_sizes, open_plates
 from pyro_hier.structure import LatentSite, ModelStructure, PlateLevel, inspect_model
 
-__all__ = ["HierarchicalGuide", "empirical_quantiles", "parameter_keys"]
+__all__ = ["HierarchicalGuide", "concat_broadcast", "empirical_quantiles", "parameter_keys", "strip_trailing_ones"]
 
 
 class HierarchicalGuide(AutoGuide):
@@ -322,7 +322,7 @@ class HierarchicalGuide(AutoGuide):
         # a global site keeps its own (non-plate) batch dims: take them out of the broadcast dims of u
         lead = block.shape[:-1]
         if broadcast:
-            lead = _strip_trailing_ones(lead, len(site.unconstrained_shape) - site.unconstrained_event_dim)
+            lead = strip_trailing_ones(lead, len(site.unconstrained_shape) - site.unconstrained_event_dim)
         return block.reshape(lead + site.unconstrained_shape)
 
     def _emit(self, name: str, u: torch.Tensor) -> torch.Tensor:
@@ -498,7 +498,7 @@ def _latent_trace(trace: poutine.Trace, structure: ModelStructure) -> poutine.Tr
     return latent
 
 
-def _strip_trailing_ones(shape: Iterable[int], n: int) -> torch.Size:
+def strip_trailing_ones(shape: Iterable[int], n: int) -> torch.Size:
     shape = list(shape)
     k = min(n, len(shape))
     if any(s != 1 for s in shape[len(shape) - k :]):
@@ -548,3 +548,9 @@ def empirical_quantiles(v: torch.Tensor, quantiles, *, discrete: bool = False) -
     hi = pos.ceil().long()
     frac = (pos - lo).to(dtype=v.dtype, device=v.device).reshape((-1,) + (1,) * (v.dim() - 1))
     return ordered[lo.to(v.device)] * (1 - frac) + ordered[hi.to(v.device)] * frac
+
+
+def concat_broadcast(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate along the last dim after broadcasting all leading dims."""
+    batch = torch.broadcast_shapes(*(t.shape[:-1] for t in tensors))
+    return torch.cat([t.expand(batch + t.shape[-1:]) for t in tensors], dim=-1)

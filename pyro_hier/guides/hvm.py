@@ -54,8 +54,13 @@ from torch.distributions import constraints, register_kl
 
 from pyro_hier.conjugate import capture_priors, element_curvature, gaussian_prior
 from pyro_hier.errors import StructureError
-from pyro_hier.guides.base import HierarchicalGuide, _strip_trailing_ones, empirical_quantiles, parameter_keys
-from pyro_hier.guides.branch import _concat_broadcast
+from pyro_hier.guides.base import (
+    HierarchicalGuide,
+    concat_broadcast,
+    empirical_quantiles,
+    parameter_keys,
+    strip_trailing_ones,
+)
 from pyro_hier.optim import tail_average_update
 from pyro_hier.plates import element_selection, enter_plates
 from pyro_hier.sparse import select_elements
@@ -909,7 +914,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
         block = x[..., spec.offset : spec.offset + spec.size]
         lead = block.shape[:-1]
         if not level.plates and spec.batch_dims:
-            lead = _strip_trailing_ones(lead, spec.batch_dims)
+            lead = strip_trailing_ones(lead, spec.batch_dims)
         return block.reshape(lead + spec.elem_shape + (spec.num_params,))
 
     def _site_distribution(
@@ -1179,8 +1184,8 @@ class AutoHierarchicalVM(HierarchicalGuide):
             zk = z.reshape((*z.shape[: z.dim() - n], 1, *spec.elem_shape))
             log_q = spec.likelihood(comp, event=False).log_prob(zk)  # (..., K, *elem)
             log_w = log_w + log_q.sum(tuple(range(-n, 0))) if n else log_w + log_q
-        shift = _concat_broadcast(shifts).unsqueeze(-2)
-        stretch = _concat_broadcast(log_stretch)
+        shift = concat_broadcast(shifts).unsqueeze(-2)
+        stretch = concat_broadcast(log_stretch)
         # r's sd is the component's times e^γ, γ kept within ±MAX_STRETCH smoothly: far in q's tails the quadratic
         # feature would otherwise make r arbitrarily narrow and the bound -∞ (1e38 per group measured)
         stretch = MAX_STRETCH * torch.tanh(stretch / MAX_STRETCH)
@@ -1217,7 +1222,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
         for level in self.levels:
             params = self._element_params(level, plates)  # read (and cut to the subsample) outside the plates
             parents = self.parents[level.name]
-            x = _concat_broadcast([parent_values[p] for p in parents]) if parents else None
+            x = concat_broadcast([parent_values[p] for p in parents]) if parents else None
             with ExitStack() as stack:
                 enter_plates(stack, plates, level.plates)
                 lam = pyro.sample(
