@@ -499,6 +499,7 @@ def _latent_trace(trace: poutine.Trace, structure: ModelStructure) -> poutine.Tr
 
 
 def strip_trailing_ones(shape: Iterable[int], n: int) -> torch.Size:
+    """``shape`` without its last ``n`` dims, which must be 1 (a site's batch shape seen through its event dims)."""
     shape = list(shape)
     k = min(n, len(shape))
     if any(s != 1 for s in shape[len(shape) - k :]):
