@@ -869,13 +869,14 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
                 info = _psd_part(curvature)
                 natural = (info @ centre.unsqueeze(-1)).squeeze(-1) + gradient
             slopes = None
-            if self._reads_slopes(level, curvature, lambda at=values, u=centre: expand(at, u + 1.0)[1]):
+            nodes = self._slope_nodes(level, curvature, lambda at=values, u=centre: expand(at, u + 1.0)[1])
+            if nodes is not None:
                 kept = None if old is None else old[name][2]
                 if kept is None or refreshes % SLOPES_EVERY == 0:
                     prior = self._level_prior(level, {s: self._prior_fns[s] for s in level.sites})
                     p0 = prior.precision if prior.diagonal else prior.precision.diagonal(dim1=-2, dim2=-1)
                     floor = CURVATURE_FLOOR * p0
-                    slopes = self._pseudo_observation_slopes(level, values, centres, calls, floor, expand)
+                    slopes = self._pseudo_observation_slopes(level, values, centres, calls, floor, expand, nodes)
                 else:
                     slopes = kept
             shape = self._level_shape(level, {p: calls[p].indices for p in level.plates})

@@ -43,6 +43,11 @@ REFERENCE_EVERY = 10
 #: of the references redone, one in this many also rereads the pseudo-observations' slopes on the globals (2 model
 #: expansions per global coordinate: the costliest part), and every first one
 SLOPES_EVERY = 5
+#: half-width (in the globals' sds under q) of the central differences that read a conjugate level's slopes where the
+#: rest of the model is quadratic in it: the three-point Gauss–Hermite rule's nodes
+SLOPE_NODES = math.sqrt(3.0)
+#: the same where it is not (binomial, Poisson observations): a derivative at the globals' mean
+DERIVATIVE_STEP = 1e-2
 #: the reference curvature's eigenvalues are kept above this fraction of the prior conditional's precision: where the
 #: likelihood is flat or not log-concave (a group without data; a location and a log scale whose joint log likelihood
 #: is not concave) the pseudo-observation starts nearly uninformative, and its reference stays invertible in float32
@@ -296,20 +301,24 @@ class AutoBranchGuide(HierarchicalGuide):
         """Whether a conjugate level's pseudo-observation moves with the globals (``covariance="dense"``)."""
         return self.covariance == "dense" and self._global_level is not None and self._global_level is not level
 
-    def _reads_slopes(self, level: PlateLevel, curvature: torch.Tensor, moved: Callable[[], torch.Tensor]) -> bool:
-        """Whether the pseudo-observation's slopes on the globals are read from the model for ``level``: with
-        ``covariance="dense"``, where the rest of the model is quadratic in the level — its ``curvature`` at the
-        reference equals ``moved()``, the curvature one unit away (Gaussian observations whose mean is linear in the
-        level: radon, eight schools, random slopes), so that the slopes of the Gaussian pseudo-observation are exact.
-        Elsewhere (a binomial or Poisson mixed model) the secant slopes of a Laplace pseudo-observation took the
-        groups' scale down with them (cbpp's herd scale: 1.0 sd low with sd ratio 0.42; 0.26 sd without slopes), and
-        the pseudo-observation does not move with the globals, as for ``"block"``. Decided once per level."""
+    def _slope_nodes(
+        self, level: PlateLevel, curvature: torch.Tensor, moved: Callable[[], torch.Tensor]
+    ) -> float | None:
+        """The central differences' half-width, in the globals' sds under q, at which the pseudo-observation's slopes
+        on the globals are read for ``level`` (``None``: no slopes, unless ``covariance="dense"``). Where the rest of
+        the model is quadratic in the level — its ``curvature`` at the reference equals ``moved()``, the curvature one
+        unit away (Gaussian observations whose mean is linear in the level: radon, eight schools, random slopes) —
+        :data:`SLOPE_NODES` (the Gauss–Hermite secant, exact for the globals that enter the mean linearly). Elsewhere
+        (a binomial or Poisson mixed model) :data:`DERIVATIVE_STEP`, the derivative at the globals' mean: the secant of
+        an exponential family's expansion is dominated by its convex side while q of the globals is still wide, and
+        took the groups' scale with it (cbpp's herd scale 1.0 sd low with sd ratio 0.42; epil's subject scale 8 sds
+        high), where the derivative gave 0.12 and 0.34 sd at most over every latent. Decided once per level."""
         if not self._has_slopes(level):
-            return False
+            return None
         if level.name not in self._quadratic:
             tolerance = 1e-6 * float(curvature.abs().max()) + 1e-12
             self._quadratic[level.name] = bool(torch.allclose(moved(), curvature, rtol=1e-4, atol=tolerance))
-        return self._quadratic[level.name]
+        return SLOPE_NODES if self._quadratic[level.name] else DERIVATIVE_STEP
 
     def _conjugate_diagonal(self, level: PlateLevel) -> bool:
         return self._is_diagonal(level) or level.numel == 1
@@ -383,9 +392,7 @@ class AutoBranchGuide(HierarchicalGuide):
                 )
 
             gradient, curvature = expand(values)
-            reads_slopes = self._reads_slopes(
-                level, curvature, lambda at=values, u=centres[level.name]: expand(at, u + 1.0)[1]
-            )
+            nodes = self._slope_nodes(level, curvature, lambda at=values, u=centres[level.name]: expand(at, u + 1.0)[1])
             root = (
                 _psd_root(curvature, floor) if not diagonal else curvature.diagonal(dim1=-2, dim2=-1).clamp(min=floor)
             )
@@ -410,8 +417,10 @@ class AutoBranchGuide(HierarchicalGuide):
                 values.update(self._level_values(level, centres[level.name]))
             refreshes = self._refreshes.get(level.name, 0)
             self._refreshes[level.name] = refreshes + 1
-            if reads_slopes and (refreshes % SLOPES_EVERY == 0 or not bool(had.all())):
-                slope, stretch_slope = self._pseudo_observation_slopes(level, values, centres, plates, floor, expand)
+            if nodes is not None and (refreshes % SLOPES_EVERY == 0 or not bool(had.all())):
+                slope, stretch_slope = self._pseudo_observation_slopes(
+                    level, values, centres, plates, floor, expand, nodes
+                )
                 self._write_elements(self.references, f"{level.name}__slope", level, plates, slope, 2)
                 self._write_elements(self.references, f"{level.name}__stretch_slope", level, plates, stretch_slope, 2)
             for key, value in zip(("loc", "precision", "fisher_sd"), new, strict=True):
@@ -458,13 +467,20 @@ class AutoBranchGuide(HierarchicalGuide):
         return torch.linalg.solve(p0 + root @ root.mT, slope)
 
     def _pseudo_observation_slopes(
-        self, level: PlateLevel, values: dict, centres: dict, plates: dict, floor: torch.Tensor, expand: Callable
+        self,
+        level: PlateLevel,
+        values: dict,
+        centres: dict,
+        plates: dict,
+        floor: torch.Tensor,
+        expand: Callable,
+        nodes: float = math.sqrt(3.0),
     ) -> tuple[torch.Tensor, torch.Tensor]:
         r"""How the likelihood's own Gaussian pseudo-observation of each element moves with the globals, read from the
         model: its natural parameter :math:`(\Lambda t)(\theta) = F(\theta)\,c + g(\theta)` (the rest of the model's
         curvature and gradient at the element's reference mean ``c``) and the log of its precision's diagonal, by
-        central differences over :math:`\pm\sqrt3` sds of each global coordinate under q — the three-point
-        Gauss–Hermite rule for :math:`E_q[\partial (\Lambda t) / \partial \theta]` (Stein's lemma: the
+        central differences over ``nodes`` (default :math:`\pm\sqrt3`) sds of each global coordinate under q — the
+        three-point Gauss–Hermite rule for :math:`E_q[\partial (\Lambda t) / \partial \theta]` (Stein's lemma: the
         least-squares slope under q, steeper than the derivative at the mean where the function is convex) —
         ``(slope (..., d, d_g), stretch_slope (..., d, d_g))`` per unit of the globals' unconstrained value. For a
         Gaussian likelihood the first is exact in the globals that enter its mean linearly, and the second in its log
@@ -476,7 +492,7 @@ class AutoBranchGuide(HierarchicalGuide):
         glob = self._global_level
         centre = centres[level.name]
         loc, _, scale = self._level_params(glob, None)
-        loc, sd = loc.detach(), self._row_scale(glob, scale).detach() * math.sqrt(3.0)  # (the rule's nodes)
+        loc, sd = loc.detach(), self._row_scale(glob, scale).detach() * nodes
         earlier = [
             (lv, self._mean_slope(lv, plates))
             for lv in self.levels[: self.levels.index(level)]
