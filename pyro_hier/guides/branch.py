@@ -87,21 +87,21 @@ class AutoBranchGuide(HierarchicalGuide):
         q(u_{\ell,i} \mid \mathrm{pa}) \propto p(u_{\ell,i} \mid \mathrm{pa})\;
         \mathcal N\big(t_{\ell,i}(z);\ u_{\ell,i},\ \Lambda_{\ell,i}(z)^{-1}\big),
 
-    with :math:`\theta` the globals' draw (``"dense"``: the pseudo-observation moves with the globals, at the slopes
-    of the likelihood's own pseudo-observation, read from the model; ``"block"``, ``"diagonal"``: it does not). This
-    family contains the exact posterior conditional of Gaussian hierarchies *whatever the globals are* — the funnel
-    of a centred model included — where the linear conditional can only be right near one value of the scale
-    parameters. Each group starts at one Newton step to its conditional posterior mean, and its pseudo-observation
-    at the likelihood's own curvature (Laplace-style); the reference of both is redone every ``REFERENCE_EVERY`` of
-    the group's training calls with the parameters moved so that q does not change — so minibatches of groups train
-    as full-data steps do. Sticking the landing (default ``None``) is used for these levels, whose family can match
-    the posterior, and not for the globals. The globals' parameters are Polyak-averaged over the last quarter of the
-    training calls (from their gradient hooks: any loop, eager or JIT); calls without gradients (``Predictive``,
-    ``median``, ``quantiles``) use the average. The references, the call count and the averages are parameters
-    without gradients, so the param store, ``state_dict`` and pickling carry them. ``median``/``quantiles`` of
-    conjugate levels (and levels below them) are computed from ``num_summary_samples`` draws with a fixed seed; the
-    globals' are exact. Under JIT ELBOs the references are made on Pyro's first, untraced call and held. Levels that
-    are not Gaussian given their parents, and levels with enumerated parents, keep the linear conditional.
+    with :math:`\theta` the globals' draw (``"dense"``: the pseudo-observation moves with the globals, at the slopes of
+    the likelihood's own pseudo-observation, read from the model; ``"block"``, ``"diagonal"``: it does not). This family
+    contains the exact posterior conditional of Gaussian hierarchies *whatever the globals are* — the funnel of a
+    centred model included — where the linear conditional can only be right near one value of the scale parameters. Each
+    group starts at one (line-searched) Newton step to its conditional posterior mean, and its pseudo-observation at the
+    likelihood's own curvature (Laplace-style); the reference of both is redone every ``REFERENCE_EVERY`` of the group's
+    training calls with the parameters moved so that q does not change — so minibatches of groups train as full-data
+    steps do. Sticking the landing (default ``None``) is used for these levels, whose family can match the posterior,
+    and not for the globals. The globals' parameters are Polyak-averaged over the last quarter of the training calls
+    (from their gradient hooks: any loop, eager or JIT); calls without gradients (``Predictive``, ``median``,
+    ``quantiles``) use the average. The references, the call count and the averages are parameters without gradients, so
+    the param store, ``state_dict`` and pickling carry them. ``median``/``quantiles`` of conjugate levels (and levels
+    below them) are computed from ``num_summary_samples`` draws with a fixed seed; the globals' are exact. Under JIT
+    ELBOs the references are made on Pyro's first, untraced call and held. Levels that are not Gaussian given their
+    parents, and levels with enumerated parents, keep the linear conditional.
 
     In the issue-19 loop (ClippedAdam 0.01 → 0.001 over 5,000 steps, one particle, ``Predictive``, 3 seeds), the
     default reaches a max posterior-mean error of at most 0.13 sd on Minnesota radon (both priors; AutoNormal 0.68),
