@@ -19,7 +19,6 @@ from torch.distributions import constraints
 from pyro_hier.conjugate import (
     Unobserved,
     capture_priors,
-    element_expansion,
     gaussian_update,
     precision_to_scale_tril,
 )
@@ -845,20 +844,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
                 1, math.prod(int(calls[p].indices.shape[0]) for p in level.plates)
             )
 
-            def expand(
-                at: dict, u: torch.Tensor | None = None, level: PlateLevel = level, scale: float = scale
-            ) -> tuple:
-                return element_expansion(
-                    self.model,
-                    args,
-                    kwargs,
-                    at,
-                    centres[level.name] if u is None else u,
-                    lambda u: self._level_values(level, u),
-                    scale,
-                    subsamples,
-                    observed=observed,
-                )
+            expand = self._level_expander(args, kwargs, level, centres, scale, subsamples, observed)
 
             centre = centres[name]
             gradient, curvature = expand(values)
@@ -869,7 +855,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
                 info = _psd_part(curvature)
                 natural = (info @ centre.unsqueeze(-1)).squeeze(-1) + gradient
             slopes = None
-            nodes = self._slope_nodes(level, curvature, lambda at=values, u=centre: expand(at, u + 1.0)[1])
+            nodes = self._slope_nodes(level, curvature, lambda at=values, u=centre, f=expand: f(at, u + 1.0)[1])
             if nodes is not None:
                 kept = None if old is None else old[name][2]
                 if kept is None or refreshes % SLOPES_EVERY == 0:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 
 import pyro
@@ -301,6 +301,35 @@ class AutoBranchGuide(HierarchicalGuide):
         """Whether a conjugate level's pseudo-observation moves with the globals (``covariance="dense"``)."""
         return self.covariance == "dense" and self._global_level is not None and self._global_level is not level
 
+    def _level_expander(
+        self,
+        args: tuple,
+        kwargs: dict,
+        level: PlateLevel,
+        centres: dict[str, torch.Tensor],
+        scale: float,
+        subsamples: dict[str, torch.Tensor],
+        observed: Iterable[str] = (),
+    ) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+        """``expand(at, u=None)``: :func:`~pyro_hier.conjugate.element_expansion` of the rest of the model at
+        ``level``'s element vectors ``u`` (by default ``centres[level.name]``, read when called), the other latent sites
+        at ``at``, on the call ``args``, ``kwargs`` with the plates' ``subsamples``."""
+
+        def expand(at: dict, u: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            return element_expansion(
+                self.model,
+                args,
+                kwargs,
+                at,
+                centres[level.name] if u is None else u,
+                lambda v: self._level_values(level, v),
+                scale,
+                subsamples,
+                observed=observed,
+            )
+
+        return expand
+
     def _slope_nodes(
         self, level: PlateLevel, curvature: torch.Tensor, moved: Callable[[], torch.Tensor]
     ) -> float | None:
@@ -379,20 +408,11 @@ class AutoBranchGuide(HierarchicalGuide):
             p0 = prior.precision if prior.diagonal else prior.precision.diagonal(dim1=-2, dim2=-1)
             floor = CURVATURE_FLOOR * p0
 
-            def expand(at: dict, u: torch.Tensor | None = None, level: PlateLevel = level, scale: float = scale):
-                return element_expansion(
-                    self.model,
-                    args,
-                    kwargs,
-                    at,
-                    centres[level.name] if u is None else u,
-                    lambda u: self._level_values(level, u),
-                    scale,
-                    subsamples,
-                )
-
+            expand = self._level_expander(args, kwargs, level, centres, scale, subsamples)
             gradient, curvature = expand(values)
-            nodes = self._slope_nodes(level, curvature, lambda at=values, u=centres[level.name]: expand(at, u + 1.0)[1])
+            nodes = self._slope_nodes(
+                level, curvature, lambda at=values, u=centres[level.name], f=expand: f(at, u + 1.0)[1]
+            )
             root = (
                 _psd_root(curvature, floor) if not diagonal else curvature.diagonal(dim1=-2, dim2=-1).clamp(min=floor)
             )
@@ -410,7 +430,7 @@ class AutoBranchGuide(HierarchicalGuide):
                 prior,
                 centres[level.name],
                 gradient,
-                lambda u, at=values: expand(at, u)[0],
+                lambda u, at=values, f=expand: f(at, u)[0],
             )
             if not bool(had.all()):  # the next levels' expansions see this one's new start (crossed effects)
                 centres[level.name] = self._element_param(self.locs, level, plates, 1).detach()
