@@ -60,19 +60,24 @@ def elbo_estimate(
             guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
             model_trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(*args, **kwargs)
         log_p = _per_particle(model_trace, size, max_plate_nesting)
-        values.append(log_p - _per_particle(guide_trace, size, max_plate_nesting))
+        # a guide that runs the model inside itself (Pyro's AutoMessenger guides) records the model's observed
+        # sites too: they are not part of q
+        values.append(log_p - _per_particle(guide_trace, size, max_plate_nesting, latent_only=True))
     w = torch.cat(values)
     if not torch.isfinite(w).all():
         raise ValueError("the ELBO has non-finite particles: the guide puts mass where the model has none")
     return float(w.mean()), float(w.std() / math.sqrt(w.numel()))
 
 
-def _per_particle(trace: poutine.Trace, size: int, max_plate_nesting: int) -> torch.Tensor:
-    """Sum of each particle's scaled log densities; the particle plate sits at dim ``-max_plate_nesting - 1``."""
+def _per_particle(
+    trace: poutine.Trace, size: int, max_plate_nesting: int, *, latent_only: bool = False
+) -> torch.Tensor:
+    """Sum of each particle's scaled log densities (of latent sites only with ``latent_only``); the particle plate
+    sits at dim ``-max_plate_nesting - 1``."""
     trace.compute_log_prob()
     total = torch.zeros(size, dtype=torch.float64)
     for site in trace.nodes.values():
-        if site["type"] != "sample" or "log_prob" not in site:
+        if site["type"] != "sample" or "log_prob" not in site or (latent_only and site["is_observed"]):
             continue
         lp = site["log_prob"].detach().to(device="cpu", dtype=torch.float64)  # already scaled by Pyro
         if lp.dim() > max_plate_nesting:
