@@ -107,6 +107,25 @@ def test_dense_fit_reaches_exact_evidence_and_posterior(regression, fitted, vari
     assert corr_err.abs().max() < 0.2
 
 
+def test_level_moments_in_chunks_of_draws(regression, fitted, monkeypatch):
+    """Above :data:`SUMMARY_NUMBERS` the conjugate guide's Rao–Blackwellised moments are taken over chunks of draws
+    (10^4 groups at once took more than 20 GB): pooled, they agree with the moments of all draws at once to within
+    their Monte Carlo error."""
+    guide = fitted["default"][0]
+    whole = guide.level_moments()
+    assert guide._summary_chunk(guide.num_summary_samples) == guide.num_summary_samples
+    monkeypatch.setattr(branch_module, "SUMMARY_NUMBERS", 3 * (10 * 100 + 100))  # 3 draws at a time
+    assert guide._summary_chunk(guide.num_summary_samples) == 3
+    chunked = guide.level_moments()
+    z_sd = regression.z_posterior()[1].diagonal(dim1=-2, dim2=-1).sqrt()
+    for level in ("globals", "groups"):
+        (m1, c1), (m2, c2) = whole[level], chunked[level]
+        assert m1.shape == m2.shape and c1.shape == c2.shape
+        assert ((m1 - m2).squeeze(-2).abs() / z_sd if level == "groups" else (m1 - m2).abs()).max() < 0.02
+        sd1, sd2 = c1.diagonal(dim1=-2, dim2=-1).sqrt(), c2.diagonal(dim1=-2, dim2=-1).sqrt()
+        assert (sd2 / sd1 - 1).abs().max() < 0.05
+
+
 def test_variants_are_ordered(regression, fitted):
     dense, block, diagonal = (fitted[c][1:] for c in ("dense", "block", "diagonal"))
     # dense ≥ block ≥ diagonal within Monte Carlo error (4 standard errors of the difference)
