@@ -89,12 +89,17 @@ METHODS = ("guide", "autonormal", "numpyro", "pyro-nuts")
 
 
 def recommended_guide(problem: str, num_groups: int) -> str:
-    """The README's "Which guide?" for this problem and size: AutoBranchGuide (block, STL) up to 10^4 groups,
-    AutoAmortizedBranchGuide (natural form, STL) beyond — with the linear observation map alone for Gaussian
-    observations linear in the group's latents (the regression), its default networks otherwise."""
-    if num_groups <= 10_000:
-        return "branch-block"
-    return "amortized-linear" if problem == "regression" else "amortized-natural"
+    """The recommended guide for this problem and size: ``AutoBranchGuide(model)`` with its defaults at every size
+    (the conjugate conditional, sticking the landing on it, its globals read at their own tail average). Measured
+    2026-11-26 (issue 20, ``--guide branch-default``, CPU seconds): on the regression it reached 0.1 sd at N = 10^4
+    after 194 s (NumPyro's NUTS: 682 s), where the block guide with STL (the previous recommendation up to 10^4)
+    read as a user gets it, at its last iterate, did not within 100 s (1.2 sd); at N = 10^5 it did not within 740 s
+    (0.22-0.26 sd over the last 150 s), but it was within 0.2-0.6 sd from 130 s of steps on, where
+    ``AutoAmortizedBranchGuide`` with the linear observation map (the previous recommendation beyond 10^4) stayed
+    at 3.7-16 sd at its last iterate through a 160 s run (2026-11-25). Its memory, ``d^2`` numbers per group and
+    reference with Adam's state (about 750 numbers), fits 10^5 groups of ``d = 10``
+    (0.3 GB in float32)."""
+    return "branch-default"
 
 
 # ---- problems -----------------------------------------------------------------------------------------------------
@@ -192,10 +197,7 @@ def make_guide(name: str, data: Data) -> torch.nn.Module:
     if name == "branch-default":  # AutoBranchGuide(model): the conjugate conditional, as a user builds it
         return AutoBranchGuide(data.model)
     if family == "branch":
-        # the linear conditional, as measured in benchmarks/README.md (issue 20). The conjugate default under
-        # JitTrace_ELBO with minibatches of groups was tried at N = 1,000 (2026-11-25): max error 67 sd after 3.8 s of
-        # steps at rate 0.05 — its references are made on Pyro's first, untraced call only, and that rate collapses
-        # scales (benchmarks/README.md, dropin.py)
+        # the linear conditional, as measured in benchmarks/README.md (issue 20, 2026-11-25)
         return AutoBranchGuide(data.model, covariance=form, conditional="linear", stick_the_landing=True)
     options = {"observation_net": ()} if form == "linear" else {}
     return AutoAmortizedBranchGuide(
@@ -285,7 +287,8 @@ def run_svi(
     split = name.startswith("branch") and opts.global_lr is not None
     rates = f"lr {lr:g}" + (f", globals {opts.global_lr:g}" if split else "")
     runs = {"last": Run(data.kind, N, method, f"{label} (B={B}, {rates})")}
-    if opts.average:
+    averaged = opts.average if opts.average is not None else name != "branch-default"
+    if averaged:
         runs["avg"] = Run(data.kind, N, f"{method}-avg", f"{label} (B={B}, {rates}), averaged")
     device, dtype = torch.device(opts.device), torch.float32
     args = (data.x.to(device, dtype), data.y.to(device, dtype))
@@ -324,7 +327,7 @@ def run_svi(
             for group in o.param_groups:
                 if "initial_lr" not in group:
                     group["initial_lr"] = lr if element_dims(param) is not None or not split else opts.global_lr
-        if opts.average:
+        if averaged:
             average = average or SuffixAverage(guide, CHECKPOINTS_PER_DOUBLING)
             average.add()
         sync(device)
@@ -812,7 +815,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--problem", nargs="+", choices=["regression", "logistic"], default=["regression"])
     p.add_argument("--sizes", type=int, nargs="+", default=list(SIZES), help="numbers of groups N")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
-    p.add_argument("--guide", choices=GUIDES, default=None, help="default: the README's recommendation for each N")
+    p.add_argument("--guide", choices=GUIDES, default=None, help="default: the recommended guide (branch-default)")
     p.add_argument("--threshold", type=float, default=0.1, help="accuracy: max error of a posterior mean, in sds")
     p.add_argument("--svi-seconds", type=float, default=None, help=f"longest SVI budget (default per N: {SVI_SECONDS})")
     p.add_argument(
@@ -835,9 +838,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--average",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=None,
         help="also read every SVI run at its global parameters averaged over the second half of the run so far\n"
-        "(default on; reported as separate rows)",
+        "(reported as separate rows; default on, except for branch-default, which reads its globals at its own\n"
+        "tail average already)",
     )
     p.add_argument(
         "--jit",
