@@ -89,17 +89,17 @@ METHODS = ("guide", "autonormal", "numpyro", "pyro-nuts")
 
 
 def recommended_guide(problem: str, num_groups: int) -> str:
-    """The recommended guide for this problem and size: ``AutoBranchGuide(model)`` with its defaults at every size
-    (the conjugate conditional, sticking the landing on it, its globals read at their own tail average). Measured
-    2026-11-26 (issue 20, ``--guide branch-default``, CPU seconds): on the regression it reached 0.1 sd at N = 10^4
-    after 194 s (NumPyro's NUTS: 682 s), where the block guide with STL (the previous recommendation up to 10^4)
-    read as a user gets it, at its last iterate, did not within 100 s (1.2 sd); at N = 10^5 it did not within 740 s
-    (0.22-0.26 sd over the last 150 s), but it was within 0.2-0.6 sd from 130 s of steps on, where
-    ``AutoAmortizedBranchGuide`` with the linear observation map (the previous recommendation beyond 10^4) stayed
-    at 3.7-16 sd at its last iterate through a 160 s run (2026-11-25). Its memory, ``d^2`` numbers per group and
-    reference with Adam's state (about 750 numbers), fits 10^5 groups of ``d = 10``
-    (0.3 GB in float32)."""
-    return "branch-default"
+    """The recommended guide for this problem and size: ``AutoBranchGuide(model)`` with its defaults from 10^3 groups
+    on (the conjugate conditional, sticking the landing on it, its globals read at their own tail average), the block
+    guide with STL below. Measured 2026-11-26 (issue 20, CPU seconds, regression, read at the last iterate as a user
+    gets it): N = 10^2, block+STL 4.0 s, the default 13.9 s; N = 10^3, the default 36.8 s (NumPyro's NUTS 60.9 s in
+    the same run), block+STL not within 15 s (2026-11-25); N = 10^4, the default 194 s (128 s with ``--lr-final
+    0.01``; NumPyro's NUTS 682 s), block+STL not within 100 s (1.2 sd); N = 10^5, the default not within 740 s
+    (0.22-0.26 sd over its last 150 s, within 0.2-0.6 sd from 130 s of steps on), where ``AutoAmortizedBranchGuide``
+    with the linear observation map (the previous recommendation beyond 10^4) stayed at 3.7-16 sd at its last
+    iterate through a 160 s run (2026-11-25). The default's memory, about 750 numbers per group of ``d = 10`` with
+    its references and Adam's state, is 0.3 GB at 10^5 groups in float32."""
+    return "branch-block" if num_groups < 1000 else "branch-default"
 
 
 # ---- problems -----------------------------------------------------------------------------------------------------
@@ -815,7 +815,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--problem", nargs="+", choices=["regression", "logistic"], default=["regression"])
     p.add_argument("--sizes", type=int, nargs="+", default=list(SIZES), help="numbers of groups N")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
-    p.add_argument("--guide", choices=GUIDES, default=None, help="default: the recommended guide (branch-default)")
+    p.add_argument("--guide", choices=GUIDES, default=None, help="default: the recommended guide (recommended_guide)")
     p.add_argument("--threshold", type=float, default=0.1, help="accuracy: max error of a posterior mean, in sds")
     p.add_argument("--svi-seconds", type=float, default=None, help=f"longest SVI budget (default per N: {SVI_SECONDS})")
     p.add_argument(
