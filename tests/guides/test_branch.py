@@ -107,6 +107,25 @@ def test_dense_fit_reaches_exact_evidence_and_posterior(regression, fitted, vari
     assert corr_err.abs().max() < 0.2
 
 
+def test_level_moments_in_chunks_of_draws(regression, fitted, monkeypatch):
+    """Above :data:`SUMMARY_NUMBERS` the conjugate guide's Rao–Blackwellised moments are taken over chunks of draws
+    (10^4 groups at once took more than 20 GB): pooled, they agree with the moments of all draws at once to within
+    their Monte Carlo error."""
+    guide = fitted["default"][0]
+    whole = guide.level_moments()
+    assert guide._summary_chunk(guide.num_summary_samples) == guide.num_summary_samples
+    monkeypatch.setattr(branch_module, "SUMMARY_NUMBERS", 3 * (10 * 100 + 100))  # 3 draws at a time
+    assert guide._summary_chunk(guide.num_summary_samples) == 3
+    chunked = guide.level_moments()
+    z_sd = regression.z_posterior()[1].diagonal(dim1=-2, dim2=-1).sqrt()
+    for level in ("globals", "groups"):
+        (m1, c1), (m2, c2) = whole[level], chunked[level]
+        assert m1.shape == m2.shape and c1.shape == c2.shape
+        assert ((m1 - m2).squeeze(-2).abs() / z_sd if level == "groups" else (m1 - m2).abs()).max() < 0.02
+        sd1, sd2 = c1.diagonal(dim1=-2, dim2=-1).sqrt(), c2.diagonal(dim1=-2, dim2=-1).sqrt()
+        assert (sd2 / sd1 - 1).abs().max() < 0.05
+
+
 def test_variants_are_ordered(regression, fitted):
     dense, block, diagonal = (fitted[c][1:] for c in ("dense", "block", "diagonal"))
     # dense ≥ block ≥ diagonal within Monte Carlo error (4 standard errors of the difference)
@@ -258,6 +277,27 @@ def test_three_level_model_fits():
     elbo, se = elbo_estimate(p.model, guide, p.args, p.kwargs, num_particles=1000)
     assert p.log_evidence - elbo < 1.0, (p.log_evidence, elbo, se)
     assert elbo - p.log_evidence < 4 * se
+
+
+def test_slopes_are_read_only_where_the_rest_of_the_model_reads_the_globals(monkeypatch):
+    """The pseudo-observations' slopes on the globals (2 full-data expansions per global coordinate, most of the
+    first call at 10^5 groups) are zero where no site but the level's own prior reads the globals (the regression:
+    y reads z only) and are not read there; the crossed model's y reads mu, so they are."""
+    calls = []
+    original = AutoBranchGuide._pseudo_observation_slopes
+    monkeypatch.setattr(
+        AutoBranchGuide, "_pseudo_observation_slopes", lambda self, *a, **k: calls.append(1) or original(self, *a, **k)
+    )
+    pyro.clear_param_store()
+    p = synthetic_regression(num_groups=20, num_obs=10, dim=3, seed=0)
+    guide = AutoBranchGuide(p.model)
+    guide(*p.args, subsample=torch.arange(5))
+    assert not calls
+    assert not guide.references.groups__slope.detach().any()
+    pyro.clear_param_store()
+    crossed = crossed_effects()
+    AutoBranchGuide(crossed.model)(*crossed.args, **crossed.kwargs)
+    assert calls
 
 
 def test_crossed_model_fits():
