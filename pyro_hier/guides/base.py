@@ -553,5 +553,8 @@ def empirical_quantiles(v: torch.Tensor, quantiles, *, discrete: bool = False) -
 
 def concat_broadcast(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Concatenate along the last dim after broadcasting all leading dims."""
-    batch = torch.broadcast_shapes(*(t.shape[:-1] for t in tensors))
+    shapes = [t.shape[:-1] for t in tensors]
+    if all(shape == shapes[0] for shape in shapes):  # (torch.broadcast_shapes costs ~0.6 ms a call)
+        return torch.cat(tensors, dim=-1)
+    batch = torch.broadcast_shapes(*shapes)
     return torch.cat([t.expand(batch + t.shape[-1:]) for t in tensors], dim=-1)

@@ -238,8 +238,14 @@ class HVMSiteDistribution(TorchDistribution):
         return self.base.rsample(sample_shape)
 
     def _parts(self, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Pyro's ELBOs ask for log_prob and score_parts of the same value: computed once (log r reads the whole
+        # element, the costliest part of a step after the model)
+        cached = getattr(self, "_cached", None)
+        if cached is not None and cached[0] is value:
+            return cached[1]
         log_q = self.base.log_prob(value)
         log_q, log_r = torch.broadcast_tensors(log_q, self.log_r(value))
+        self._cached = (value, (log_q, log_r))
         return log_q, log_r
 
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
