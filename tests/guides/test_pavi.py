@@ -68,7 +68,12 @@ def test_radon_posterior_means_within_a_quarter_reference_sd():
 
     p = radon_mn(prior="uniform", dtype=torch.float32)
     guide = AutoPlateAmortizedFlow(
-        p.model, encoding_size=8, flow="affine", condition_on_ancestors=False, stick_the_landing=True
+        p.model,
+        encoding_size=8,
+        flow="affine",
+        condition_on_ancestors=False,
+        conditional="pushforward",
+        stick_the_landing=True,
     )
     pyro.set_rng_seed(0)
     steps = RADON_STEPS
