@@ -484,7 +484,10 @@ def test_scales_move_tenfold_up_and_down_alike_under_jit(name):
     centre (within the current sd). benchmarks/scale_steps.py counts the steps to the targets."""
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
-    guide = GUIDES[name](prior_model, init_scale=0.1)
+    # PAVI's default feeds each flow its ancestors' base samples, whose linear path widens the later site's marginal
+    # in the first steps (narrow: 0.095 -> 0.28 after these 10 steps); the positive map is checked on PAVI's own form
+    kw = {"condition_on_ancestors": False} if name.startswith("pavi") else {}
+    guide = GUIDES[name](prior_model, init_scale=0.1, **kw)
     guide()
 
     def sds() -> dict[str, float]:
