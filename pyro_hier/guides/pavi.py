@@ -21,19 +21,30 @@ from torch import nn
 from torch.distributions import biject_to, constraints
 from torch.distributions.transforms import AffineTransform, ReshapeTransform, Transform
 
-from pyro_hier.conjugate import gaussian_prior
+from pyro_hier.conjugate import (
+    GaussianPrior,
+    Unobserved,
+    capture_priors,
+    element_expansion,
+    gaussian_prior,
+    gaussian_update,
+    precision_to_scale_tril,
+    psd_part,
+)
 from pyro_hier.distributions import StickingTheLanding
 from pyro_hier.encoders import DeepSetEncoder, FreeEncoding, FrozenPositions, SiteData
 from pyro_hier.errors import StructureError
 from pyro_hier.flows import FreeAffine, make_flow
 from pyro_hier.gather_maps import GatherMaps
 from pyro_hier.gathers import keep_random_state
-from pyro_hier.guides.base import HierarchicalGuide, empirical_quantiles, parameter_keys
+from pyro_hier.guides.base import HierarchicalGuide, concat_broadcast, empirical_quantiles, parameter_keys
+from pyro_hier.guides.branch import CURVATURE_FLOOR, DERIVATIVE_STEP, SLOPE_NODES
 from pyro_hier.local_data import (
     ObservedRows,
     call_local_features,
     capture_observations,
     data_complete,
+    is_factor,
     observation_features,
 )
 from pyro_hier.optim import tail_average_update
@@ -44,6 +55,10 @@ __all__ = ["AutoPlateAmortizedFlow"]
 
 _ENCODERS = ("free", "deepset")
 _CONDITIONALS = ("conjugate", "pushforward")
+#: the model's pseudo-observations are read again after this many training calls (at once for other arguments)
+EXPANSION_EVERY = 10
+#: rate of the running mean and variance of the globals' draws, where the pseudo-observations are read
+GLOBAL_RATE = 0.05
 
 
 class AutoPlateAmortizedFlow(HierarchicalGuide):
@@ -254,17 +269,13 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             raise ValueError(f"tail_average must be None or a fraction in (0, 1], got {tail_average!r}")
         self.tail_average = None if tail_average is None else float(tail_average)
         if conditional is None:
-            conditional = "conjugate" if flow == "affine" else "pushforward"
+            conditional = "conjugate"
         if conditional not in _CONDITIONALS:
             raise ValueError(f"conditional must be one of {_CONDITIONALS} or None, got {conditional!r}")
-        if conditional == "conjugate" and flow != "affine":
-            raise ValueError(
-                f"conditional='conjugate' reads the pseudo-observation from the 'affine' flow's network; with "
-                f"flow={flow!r} use conditional='pushforward' (or leave conditional=None, which picks it)"
-            )
         self.conditional = conditional
         self._hooked: weakref.ref | None = None
         self._average_pairs: tuple = ()
+        self._expansion: tuple | None = None  # (call key, {site: the model's pseudo-observation}) of the last refresh
         self._start_at_init_loc = init_loc_fn is not None
         self._init_scale = None if init_scale is None else float(init_scale)
         self.encoder_kind = encoder
@@ -290,6 +301,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         state["_detached_flows"] = None  # rebuilt on use
         state["_hooked"] = None  # gradient hooks are not pickled: the first training call installs them again
         state["_average_pairs"] = ()
+        state["_expansion"] = None  # redone from the references (state) on the next call
         return state
 
     # ---- setup ----------------------------------------------------------------------------------------------
@@ -325,9 +337,16 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             if self.conditional == "conjugate"
             and self._level_of[name].plates
             and structure.latent[name].reparameterized
-            and (prior := gaussian_prior(structure.latent[name].fn, structure.latent[name].support)) is not None
-            and prior.diagonal
+            and gaussian_prior(structure.latent[name].fn, structure.latent[name].support) is not None
         )
+        # the model's own pseudo-observation is read for the conjugate sites of levels without latent descendants
+        # (whose rest of the model is their likelihood; a level above others would read its children's values as data)
+        self._expanded_sites = frozenset(
+            name
+            for name in self._conjugate_sites
+            if not any(self._level_of[name].name in level.ancestors for level in self.levels)
+        )
+        self._global_level = next((level for level in self.levels if not level.plates), None)
         self._context_sites: dict[str, tuple[str, ...]] = {}
         self._context_levels: dict[str, tuple[str, ...]] = {}
         like = next(iter(structure.latent.values())).value
@@ -399,6 +418,38 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                 getattr(self.averages, key)  # (read once: a trace of this call records the parameter, not its init)
             self.averages.count = PyroParam(like.new_zeros(()), constraints.real)
             _ = self.averages.count
+        # where the model's pseudo-observations are read (state, not optimised): a running mean and variance of the
+        # globals' draws (unconstrained), the mean and sd of the last reference, training calls since it was made
+        self.references = PyroModule()
+        if self._expanded_sites:
+            mean, sd = self._initial_global_moments(like.dtype)
+            state = {"global_mean": mean, "global_var": sd.pow(2), "ref_mean": mean, "ref_sd": sd}
+            state["calls"] = like.new_zeros(())
+            for key, value in state.items():
+                setattr(self.references, key, PyroParam(value.detach().clone(), constraints.real))
+                getattr(self.references, key)  # (read once: a trace of this call records the parameter, not its init)
+
+    def _initial_global_moments(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The globals' element vector (unconstrained, sites in model order) at the start: the median and spread
+        (interquartile range / 1.349) of their prior, or the init location and ``init_scale`` when given."""
+        assert self.structure is not None
+        glob = self._global_level
+        if glob is None:
+            empty = torch.zeros(0, dtype=dtype)
+            return empty, empty
+        means, sds = [], []
+        for name in glob.sites:
+            site = self.structure.latent[name]
+            fn = site.fn.to_event(len(site.batch_shape)) if site.batch_shape else site.fn
+            to_unconstrained = biject_to(fn.support).inv
+            with torch.no_grad(), keep_random_state():
+                draws = to_unconstrained(fn.sample((1024,))).to(dtype).reshape(1024, -1)
+                q = empirical_quantiles(draws, [0.25, 0.5, 0.75])
+                init = to_unconstrained(site.value).to(dtype).reshape(-1)
+            means.append(init if self._start_at_init_loc else q[1])
+            spread = ((q[2] - q[0]) / 1.349).clamp(min=1e-6)
+            sds.append(spread if self._init_scale is None else torch.full_like(spread, self._init_scale))
+        return torch.cat(means), torch.cat(sds)
 
     def _initial_affine(self, site: LatentSite, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         r"""``(b, e^β)`` of the site's :class:`~pyro_hier.flows.FreeAffine`, which follows its flow (the named flows
@@ -418,6 +469,8 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         towards the prior conditional by its precision."""
         n = site.element_numel
         one = torch.ones(n, dtype=dtype, device=site.value.device)
+        if site.name in self._conjugate_sites:  # the identity on the standardised draw: q starts at q0
+            return one * 0.0, one
         if site.reparameterized and not self._start_at_init_loc and self._init_scale is None:
             # the identity: PAVI's own start at the prior conditional; for a conjugate site, a unit
             # pseudo-observation at 0 in unconstrained space
@@ -440,8 +493,6 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                 base_median, base_spread = torch.zeros_like(prior_median), one
             target = init if self._start_at_init_loc else prior_median
             spread = prior_spread if self._init_scale is None else one * self._init_scale
-            if site.name in self._conjugate_sites:  # the pseudo-observation N(target, spread²): q starts there,
-                return target.reshape(-1, n).mean(0), spread  # pulled towards the prior by its precision
             scale = spread / base_spread
             loc = (target - scale * base_median).reshape(-1, n).mean(0)
         return loc, scale
@@ -472,10 +523,176 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
 
     def state_parameters(self) -> dict[str, torch.nn.Parameter]:
         """The guide's parameters that are state, not optimised (no gradient reaches them): the tail average of the
-        others and its count. They are parameters so that Pyro's param store carries them; leave them out of
-        hand-built optimisers (:class:`~pyro_hier.optim.IterateAverage` leaves them out)."""
-        averages = self._modules.get("averages")
-        return {} if averages is None else {f"averages.{k}": v for k, v in averages.named_parameters()}
+        others and its count, and where the model's pseudo-observations are read (``references``). They are
+        parameters so that Pyro's param store carries them; leave them out of hand-built optimisers
+        (:class:`~pyro_hier.optim.IterateAverage` leaves them out)."""
+        out = {}
+        for module in ("averages", "references"):
+            held = self._modules.get(module)
+            if held is not None:
+                out.update({f"{module}.{k}": v for k, v in held.named_parameters()})
+        return out
+
+    # ---- the model's pseudo-observations ----------------------------------------------------------------------
+    def _state(self, key: str) -> torch.Tensor:
+        """A reference tensor (state) as it is now, without gradient."""
+        return getattr(self.references, key).detach()
+
+    def _write_state(self, key: str, value: torch.Tensor) -> None:
+        getattr(self.references, key)  # (adopts the param store's tensor, e.g. after a load)
+        raw = self.references.get_parameter(f"{key}_unconstrained")
+        raw.data.copy_(value.to(raw.dtype))
+
+    def _global_values(self, u: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The globals' constrained values at their element vector ``u`` (unconstrained)."""
+        glob = self._global_level
+        if glob is None:
+            return {}
+        return {n: self._constrain(n, self._site_unconstrained(glob, n, u, broadcast=False)) for n in glob.sites}
+
+    def _site_value(self, name: str, u: torch.Tensor) -> torch.Tensor:
+        """A plated site's constrained value at its flattened unconstrained element vectors ``u (…, n)``."""
+        assert self.structure is not None
+        site = self.structure.latent[name]
+        event = site.unconstrained_shape[len(site.unconstrained_shape) - site.unconstrained_event_dim :]
+        return self._constrain(name, u.reshape(u.shape[:-1] + event))
+
+    def _call_key(self, args: tuple, kwargs: dict, calls: dict | None) -> tuple:
+        key = tuple(id(a) for a in args) + tuple((k, id(v)) for k, v in sorted(kwargs.items()))
+        if calls:
+            key += tuple((n, tuple(c.indices.tolist())) for n, c in sorted(calls.items()))
+        return key
+
+    def _expansions_for_call(self, args: tuple, kwargs: dict, forced: dict, calls: dict | None) -> dict:
+        """``{site: (precision, natural parameter, slopes or None)}``: the model's pseudo-observation of each expanded
+        site's elements on this call (:meth:`_expand`). Kept while the arguments are the same objects (and the
+        subsampled plates the same indices), redone every :data:`EXPANSION_EVERY` training calls at the running mean
+        of the globals' draws."""
+        if not self._expanded_sites:
+            return {}
+        assert self.structure is not None
+        if self.structure.subsampled_plates and calls is None:  # the indices of this call are part of its key
+            with keep_random_state():
+                calls = capture_plates(_ForceSubsamples(forced)(self.model), args, kwargs)
+        if torch.is_grad_enabled() and float(self._state("calls")) >= EXPANSION_EVERY:
+            # a new reference at the running moments of the globals' draws
+            self._write_state("ref_mean", self._state("global_mean"))
+            self._write_state("ref_sd", self._state("global_var").clamp(min=1e-12).sqrt())
+            self._write_state("calls", torch.zeros(()))
+        key = self._call_key(args, kwargs, calls if self.structure.subsampled_plates else None)
+        if self._global_level is not None:  # the reference is part of the key (a new one, or a loaded state)
+            key += tuple(self._state("ref_mean").tolist()) + tuple(self._state("ref_sd").tolist())
+        if self._expansion is not None and self._expansion[0] == key:
+            return self._expansion[1]
+        if calls is None:
+            with keep_random_state():
+                calls = capture_plates(_ForceSubsamples(forced)(self.model), args, kwargs)
+        try:
+            with keep_random_state():
+                made = self._expand(args, kwargs, calls)
+        except Unobserved:  # the observations omitted (Predictive with obs=None): the last call's that had them
+            if self._expansion is None:
+                raise StructureError(
+                    "the observed sites are not observed in this call (observations omitted, as in "
+                    "Predictive(model, guide=guide) with obs=None) and the guide has not been called with its data "
+                    "yet: call the guide (or train it) on the data first"
+                ) from None
+            return self._expansion[1]
+        self._expansion = (key, made)
+        return made
+
+    @torch.no_grad()
+    def _expand(self, args: tuple, kwargs: dict, calls: dict) -> dict:
+        r"""The model's pseudo-observation of each expanded site: the second-order expansion of the rest of the model
+        (its likelihood) at the reference — the globals at ``ref_mean``, the plated sites at their prior conditional's
+        mean there (:func:`~pyro_hier.conjugate.element_expansion`) — as a Gaussian potential
+        :math:`ar\Lambda_i = F_i`, :math:`ar\eta_i = F_i c_i + g_i` (the likelihood itself where it is Gaussian in
+        the site), with the slopes of :math:`\eta` and of :math:`\log\sqrt{\mathrm{diag}\,\Lambda}` on the globals
+        read by central differences at ``ref_sd`` (:data:`~pyro_hier.guides.branch.SLOPE_NODES` of them where the
+        likelihood is quadratic in the site, else :data:`~pyro_hier.guides.branch.DERIVATIVE_STEP`), as
+        :class:`~pyro_hier.AutoBranchGuide` and :class:`~pyro_hier.AutoAmortizedBranchGuide` read them."""
+        assert self.structure is not None
+        s = self.structure
+        subsamples = {name: call.indices for name, call in calls.items()}
+        glob = self._global_level
+        ref_mean = self._state("ref_mean") if glob is not None else None
+        ref_sd = self._state("ref_sd") if glob is not None else None
+        values = self._global_values(ref_mean) if glob is not None else {}
+        centres: dict[str, torch.Tensor] = {}
+        priors: dict[str, GaussianPrior] = {}
+        for level in self.levels:
+            if not level.plates:
+                continue
+            fns, _ = capture_priors(self.model, args, kwargs, values, level.sites, subsamples)
+            for name in level.sites:
+                site = s.latent[name]
+                prior = gaussian_prior(fns[name], site.support) if name in self._conjugate_sites else None
+                if prior is not None:
+                    priors[name] = prior
+                    u = prior.loc
+                else:  # the median of a few prior draws
+                    fn = fns[name]
+                    draws = biject_to(site.support).inv(fn.sample((15,)))
+                    u = draws.median(0).values.reshape((*fn.batch_shape, -1))
+                centres[name] = u
+                values[name] = self._site_value(name, u)
+        observed = [n for n, site in s.observed.items() if not is_factor(site.fn)]
+        made = {}
+        for name in self._expanded_sites:
+            site = s.latent[name]
+            level = self._level_of[name]
+            scale = math.prod(s.plates[p].size for p in level.plates) / max(
+                1, math.prod(int(calls[p].indices.shape[0]) for p in level.plates)
+            )
+
+            def expand(at: dict, u: torch.Tensor, name: str = name, scale: float = scale) -> tuple:
+                return element_expansion(
+                    self.model,
+                    args,
+                    kwargs,
+                    at,
+                    u,
+                    lambda v: {name: self._site_value(name, v)},
+                    scale,
+                    subsamples,
+                    observed=observed,
+                )
+
+            centre = centres[name]
+            gradient, curvature = expand(values, centre)
+            diagonal = site.element_numel == 1
+            prior = priors[name]
+            p0 = prior.precision if prior.diagonal else prior.precision.diagonal(dim1=-2, dim2=-1)
+            floor = CURVATURE_FLOOR * p0
+
+            if diagonal:
+                info = curvature.diagonal(dim1=-2, dim2=-1).clamp(min=0.0)
+                natural = info * centre + gradient
+            else:
+                info = psd_part(curvature)
+                natural = (info @ centre.unsqueeze(-1)).squeeze(-1) + gradient
+            slopes = None
+            if glob is not None and glob.numel:
+                moved = expand(values, centre + 1.0)[1]
+                tolerance = 1e-6 * float(curvature.abs().max()) + 1e-12
+                quadratic = bool(torch.allclose(moved, curvature, rtol=1e-4, atol=tolerance))
+                nodes = SLOPE_NODES if quadratic else DERIVATIVE_STEP
+                width = ref_sd * nodes
+                targets, logs = [], []
+                for k in range(glob.numel):
+                    pair = []
+                    for sign in (1.0, -1.0):
+                        shifted = ref_mean.clone()
+                        shifted[..., k] += sign * width[..., k]
+                        g, f = expand({**values, **self._global_values(shifted)}, centre)
+                        diag = f.diagonal(dim1=-2, dim2=-1)
+                        nat = diag * centre + g if diagonal else (f @ centre.unsqueeze(-1)).squeeze(-1) + g
+                        pair.append((nat, diag.clamp(min=floor).log()))
+                    targets.append((pair[0][0] - pair[1][0]) / (2 * width[..., k]))
+                    logs.append((pair[0][1] - pair[1][1]) / (4 * width[..., k]))  # log √Λ: half the log precision
+                slopes = (torch.stack(targets, -1), torch.stack(logs, -1))
+            made[name] = (info, natural, slopes)
+        return made
 
     def _attach_hook(self) -> None:
         """Hook (once per tensor: again after unpickling or loading) the tail average onto the gradient accumulation of
@@ -569,13 +786,16 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                 return msg["name"] in listed
             return _hidden(msg) or msg["name"] in self.structure.observed  # observed at setup, left out now
 
+        expansions = self._expansions_for_call(args, kwargs, forced, calls)
         with self._parameters_in_use():
             self._register_networks()
             if torch.is_grad_enabled():
                 self._attach_hook()
-            cascade = _Cascade(self, observations, covariates, gathers, data, forced)
+            cascade = _Cascade(self, observations, covariates, gathers, data, forced, expansions)
             with poutine.block(hide_fn=hidden), cascade:
                 self.user_model(*args, **kwargs)  # the cascade runs the model itself, without the init strategy
+        if torch.is_grad_enabled() and self._expanded_sites:
+            self._update_global_moments(cascade)
         missing = [n for n in self.structure.latent if n not in cascade.result]
         if missing:
             raise StructureError(
@@ -583,6 +803,20 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                 "the same latent sites on every call"
             )
         return cascade.result
+
+    @torch.no_grad()
+    def _update_global_moments(self, cascade: _Cascade) -> None:
+        """A training call: its draw of the globals (averaged over particles) updates their running mean and
+        variance (rate :data:`GLOBAL_RATE`), where the next reference is made."""
+        self._write_state("calls", self._state("calls") + 1)
+        glob = self._global_level
+        if glob is None or not glob.numel:
+            return
+        u = cascade.global_vector().detach().reshape(-1, glob.numel).mean(0)
+        mean, var = self._state("global_mean"), self._state("global_var")
+        diff = u - mean
+        self._write_state("global_mean", mean + GLOBAL_RATE * diff)
+        self._write_state("global_var", (1 - GLOBAL_RATE) * (var + GLOBAL_RATE * diff.pow(2)))
 
     def _site_data(self, args, kwargs, calls, observations, covariates, gathers) -> dict[tuple[str, str], SiteData]:
         """Each (observed site, level) pair's data for the deep set: this call's; for gathered sites whose rows in
@@ -668,7 +902,17 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         context = torch.cat([p.expand(batch + p.shape[-1:]) for p in parts], dim=-1)
         flat = torch.Size((n,))
         reshape = event_u != flat
-        if site.reparameterized:  # the prior conditional, flattened in unconstrained space
+        standardise: list[Transform] = []
+        if name in self._conjugate_sites:  # q0 = the prior conditional times the model's pseudo-observation
+            loc0, scale0 = self._conditional_q0(name, base, cascade)
+            batch = torch.broadcast_shapes(batch, loc0.shape[:-1])
+            base = dist.Normal(context.new_zeros(batch + flat), 1.0).to_event(1)
+            head = []
+            if scale0.dim() == loc0.dim():
+                standardise = [AffineTransform(loc0, scale0, event_dim=1)]
+            else:
+                standardise = [_CholeskyAffine(loc0, scale0)]
+        elif site.reparameterized:  # the prior conditional, flattened in unconstrained space
             if base.batch_shape != batch:
                 base = base.expand(batch)
             head = [to_support.inv] + ([ReshapeTransform(event_u, flat)] if reshape else [])
@@ -677,28 +921,17 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             head = []
         tap = _Tap()
 
-        prior = None
-        if name in self._conjugate_sites:
-            prior = gaussian_prior(base, base.support)
-            if prior is None or not prior.diagonal:
-                raise StructureError(
-                    f"site '{name}' had a Gaussian prior conditional when the guide was built and has "
-                    f"{type(msg['fn']).__name__} in this call; the conjugate conditional needs the same family"
-                )
-
         def push_forward(flow: nn.Module, affine: FreeAffine, context: torch.Tensor) -> dist.TorchDistribution:
-            if prior is not None:
-                middle = [_conjugate_map(prior, flow.condition(context), affine.transform(), batch)]
-            else:
-                middle = [flow.condition(context), affine.transform()]
-            transforms = [*head, tap, *middle]
+            transforms = [*head, tap, flow.condition(context), affine.transform(), *standardise]
             transforms += [ReshapeTransform(flat, event_u)] if reshape else []
             transforms.append(to_support)
             return dist.TransformedDistribution(base, transforms)
 
         key = self._keys[name]
+        if context.shape[:-1] != batch:
+            context = context.expand(batch + context.shape[-1:])
         q = push_forward(self._modules["flows"][key], self._modules["site_affines"][key], context)
-        maps = _SiteMaps(q.transforms, tap, n)
+        maps = _SiteMaps(q.transforms, tap, n, to_support, event_u)
         if self.stick_the_landing:
             assert self._detached_flows is not None
             for i in range(len(encodings)):  # encodings are variational parameters; the ancestors' values are not
@@ -707,6 +940,38 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             twin = self._detached_flows[0]
             q = StickingTheLanding(q, push_forward(twin["flows"][key], twin["affines"][key], context))
         return q, maps
+
+    def _conditional_q0(
+        self, name: str, fn: dist.TorchDistribution, cascade: _Cascade
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        r"""``(loc, scale)`` of a conjugate site's :math:`q_0` on this call (flattened unconstrained space; ``scale``
+        the sd ``(…, n)`` or a lower Cholesky factor ``(…, n, n)``): its prior conditional ``fn`` at the parents' draws
+        times the model's pseudo-observation (expanded sites), moved to the globals' draw :math:`\theta` along its
+        slopes: :math:`\eta(\theta) = \bar\eta + B(\theta - \bar\theta)`, :math:`\Lambda(\theta) =
+        E\bar\Lambda E`, :math:`E = \mathrm{diag}(e^{C(\theta - \bar\theta)})`."""
+        assert self.structure is not None
+        prior = gaussian_prior(fn, fn.support)
+        if prior is None:
+            raise StructureError(
+                f"site '{name}' had a Gaussian prior conditional when the guide was built and has "
+                f"{type(fn).__name__} in this call; the conjugate conditional needs the same family (or build the "
+                "guide with conditional='pushforward')"
+            )
+        expansion = cascade.expansions.get(name)
+        if expansion is None:
+            if prior.diagonal:
+                return prior.loc, prior.precision.rsqrt()
+            return prior.loc, precision_to_scale_tril(prior.precision)
+        info, natural, slopes = expansion
+        if slopes is not None:
+            delta = (cascade.global_vector() - self._state("ref_mean")).unsqueeze(-1)
+            natural = natural + (slopes[0] @ delta).squeeze(-1)
+            stretch = (slopes[1] @ delta).squeeze(-1).exp()
+            if info.dim() == natural.dim():
+                info = stretch * info * stretch
+            else:
+                info = stretch.unsqueeze(-1) * info * stretch.unsqueeze(-2)
+        return gaussian_update(prior, info, natural)
 
     def _ancestor_view(self, level, ancestor: str, x: torch.Tensor, cascade: _Cascade) -> torch.Tensor:
         """An ancestor's base sample or encoding ``(…, k)`` as the level's elements see it: read at each element's
@@ -747,12 +1012,45 @@ class _Tap(Transform):
         return x.new_zeros(x.shape[:-1])
 
 
+class _CholeskyAffine(Transform):
+    """``x ↦ loc + L x`` on vectors, ``L`` lower triangular with a positive diagonal, both batched (Pyro's
+    ``LowerCholeskyAffine`` takes one ``L``)."""
+
+    domain = constraints.real_vector
+    codomain = constraints.real_vector
+    bijective = True
+
+    def __init__(self, loc: torch.Tensor, scale_tril: torch.Tensor) -> None:
+        super().__init__(cache_size=1)
+        self.loc, self.scale_tril = loc, scale_tril
+
+    def _call(self, x: torch.Tensor) -> torch.Tensor:
+        return self.loc + (self.scale_tril @ x.unsqueeze(-1)).squeeze(-1)
+
+    def _inverse(self, y: torch.Tensor) -> torch.Tensor:
+        batch = torch.broadcast_shapes(self.scale_tril.shape[:-2], y.shape[:-1], self.loc.shape[:-1])
+        d = y.shape[-1]
+        tril = self.scale_tril.expand((*batch, d, d))
+        r = (y - self.loc).expand((*batch, d)).unsqueeze(-1)
+        return torch.linalg.solve_triangular(tril, r, upper=False).squeeze(-1)
+
+    def log_abs_det_jacobian(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logdet = self.scale_tril.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+        return logdet.expand(torch.broadcast_shapes(logdet.shape, x.shape[:-1]))
+
+
 class _SiteMaps:
     """Maps a site's sampled value back to the flow's base space: the prior sample it was pushed from, in
     unconstrained space and flattened, which is what its descendants see in their contexts."""
 
-    def __init__(self, transforms: list, tap: _Tap, numel: int) -> None:
+    def __init__(self, transforms: list, tap: _Tap, numel: int, to_support: Transform, event_u: torch.Size) -> None:
         self.transforms, self.tap, self.numel = transforms, tap, numel
+        self.to_support, self.event_u = to_support, event_u
+
+    def unconstrained(self, value: torch.Tensor) -> torch.Tensor:
+        """The value in unconstrained space, flattened ``(…, n)`` (the draw's own tensor when it was drawn here)."""
+        z = self.to_support.inv(value)
+        return z.reshape((*z.shape[: z.dim() - len(self.event_u)], self.numel))
 
     def base_value(self, value: torch.Tensor) -> torch.Tensor:
         if self.tap.seen is not None:  # drawn by this site's rsample (a fresh tap per call): the exact base sample
@@ -768,9 +1066,13 @@ class _SiteMaps:
 class _Cascade(PlateRecorder):
     """Runs inside the model: replaces each latent site's prior by the guide's flow, records plates and values."""
 
-    def __init__(self, guide: AutoPlateAmortizedFlow, observations, covariates, gathers, data, forced) -> None:
+    def __init__(
+        self, guide: AutoPlateAmortizedFlow, observations, covariates, gathers, data, forced, expansions=None
+    ) -> None:
         super().__init__()
         self.guide = guide
+        self.expansions = expansions or {}
+        self.unconstrained: dict[str, torch.Tensor] = {}
         self.observations = observations
         self.covariates = covariates
         self.gathers = gathers
@@ -799,23 +1101,15 @@ class _Cascade(PlateRecorder):
             return
         self.result[name] = msg["value"]
         self.base_values[name] = self._maps[name].base_value(msg["value"])
+        glob = self.guide._global_level
+        if glob is not None and name in glob.sites:
+            self.unconstrained[name] = self._maps[name].unconstrained(msg["value"])
 
-
-def _conjugate_map(prior, net: AffineTransform, free: AffineTransform, batch: torch.Size) -> AffineTransform:
-    r"""The conjugate conditional as a map of the prior draw ``u`` (unconstrained, flattened): the prior conditional
-    :math:`N(\mu_p, \lambda_p^{-1})` times a Gaussian pseudo-observation :math:`N(m, v)` with
-    :math:`m = b + e^\beta a(c)` and :math:`\sqrt v = e^\beta s(c)` (the free affine map ``free`` and the network's
-    ``net`` of the context), i.e. :math:`N(\mu, \lambda^{-1})` with :math:`\lambda = \lambda_p + 1/v`,
-    :math:`\mu = (\lambda_p \mu_p + m / v) / \lambda`, reached from ``u`` by
-    :math:`z = \mu + \sqrt{\lambda_p / \lambda}\,(u - \mu_p)`."""
-    shape = batch + prior.loc.shape[-1:]
-    loc_p, precision_p = prior.loc.expand(shape), prior.precision.expand(shape)
-    mean = free.loc + free.scale * net.loc
-    pseudo_precision = (free.scale * net.scale).pow(-2)
-    precision = precision_p + pseudo_precision
-    loc = (precision_p * loc_p + pseudo_precision * mean) / precision
-    ratio = (precision_p / precision).sqrt()
-    return AffineTransform(loc - ratio * loc_p, ratio, event_dim=1)
+    def global_vector(self) -> torch.Tensor:
+        """The globals' draw on this call as one unconstrained vector ``(…, d_g)`` (sites in model order)."""
+        glob = self.guide._global_level
+        assert glob is not None
+        return concat_broadcast([self.unconstrained[n] for n in glob.sites])
 
 
 def _average_hook(guide: weakref.ref) -> None:
