@@ -276,6 +276,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         self._hooked: weakref.ref | None = None
         self._average_pairs: tuple = ()
         self._expansion: tuple | None = None  # (call key, {site: the model's pseudo-observation}) of the last refresh
+        self._data_tables: dict[str, list[torch.Tensor]] = {}  # each element's last pseudo-observation with data
         self._start_at_init_loc = init_loc_fn is not None
         self._init_scale = None if init_scale is None else float(init_scale)
         self.encoder_kind = encoder
@@ -590,15 +591,71 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         try:
             with keep_random_state():
                 made = self._expand(args, kwargs, calls)
-        except Unobserved:  # the observations omitted (Predictive with obs=None): the last call's that had them
-            if self._expansion is None:
+        except Unobserved:  # the observations omitted (Predictive with obs=None): each element's last data
+            if not self._data_tables:
                 raise StructureError(
                     "the observed sites are not observed in this call (observations omitted, as in "
                     "Predictive(model, guide=guide) with obs=None) and the guide has not been called with its data "
                     "yet: call the guide (or train it) on the data first"
                 ) from None
-            return self._expansion[1]
+            made = self._from_data_tables(calls)
+        else:
+            self._to_data_tables(made, calls)
         self._expansion = (key, made)
+        return made
+
+    def _element_axes(self, name: str, calls: dict, ndim: int) -> list[tuple[int, torch.Tensor]]:
+        """``(axis, indices)`` of a site's plates in a table whose batch has ``ndim`` dims."""
+        level = self._level_of[name]
+        return [(ndim + dim, calls[p].indices) for p, dim in zip(level.plates, level.dims, strict=True)]
+
+    @torch.no_grad()
+    def _to_data_tables(self, made: dict, calls: dict) -> None:
+        r"""Keep each element's last pseudo-observation made with data, at the plates' full sizes, in a form that does
+        not depend on the reference :math:`\bar\theta` it was read at: :math:`\eta_0 = \bar\eta - B\bar\theta`,
+        :math:`\Lambda_0 = E(-\bar\theta)\bar\Lambda E(-\bar\theta)`, so that :math:`\eta(\theta) = \eta_0 +
+        B\theta` and :math:`\Lambda(\theta) = E(\theta)\Lambda_0 E(\theta)`, :math:`E(\theta) =
+        \mathrm{diag}(e^{C\theta})` (for calls without the observations)."""
+        ref = self._state("ref_mean") if self._global_level is not None else None
+        for name, (info, natural, slopes) in made.items():
+            level = self._level_of[name]
+            ndim = len(level.batch_shape)
+            parts = [info, natural]
+            if slopes is not None:
+                natural = natural - (slopes[0] @ ref.unsqueeze(-1)).squeeze(-1)
+                e = (-(slopes[1] @ ref.unsqueeze(-1)).squeeze(-1)).exp()
+                info = e * info * e if info.dim() == natural.dim() else e.unsqueeze(-1) * info * e.unsqueeze(-2)
+                parts = [info, natural, *slopes]
+            parts.append(torch.ones_like(natural[..., :1]))  # seen
+            if name not in self._data_tables:
+                self._data_tables[name] = [t.new_zeros(level.batch_shape + t.shape[ndim:]) for t in parts]
+            axes = self._element_axes(name, calls, ndim)
+            for full, part in zip(self._data_tables[name], parts, strict=True):
+                _scatter_elements(full, axes, part.expand(_element_shape(full, axes, ndim) + part.shape[ndim:]))
+
+    def _from_data_tables(self, calls: dict) -> dict:
+        """The pseudo-observations of this call's elements from their last data (none for elements never seen with
+        data: their q0 is then the prior conditional), at the current reference."""
+        ref = self._state("ref_mean") if self._global_level is not None else None
+        made = {}
+        for name in self._expanded_sites:
+            if name not in self._data_tables:
+                raise StructureError(
+                    f"site '{name}': the observed sites are not observed in this call and the guide has not seen "
+                    "their data yet: call the guide (or train it) on the data first"
+                )
+            level = self._level_of[name]
+            ndim = len(level.batch_shape)
+            axes = self._element_axes(name, calls, ndim)
+            parts = [_gather_elements(t, axes) for t in self._data_tables[name]]
+            info, natural = parts[0], parts[1]
+            slopes = None
+            if len(parts) == 5:
+                slopes = (parts[2], parts[3])
+                natural = natural + (slopes[0] @ ref.unsqueeze(-1)).squeeze(-1)
+                e = (slopes[1] @ ref.unsqueeze(-1)).squeeze(-1).exp()
+                info = e * info * e if info.dim() == natural.dim() else e.unsqueeze(-1) * info * e.unsqueeze(-2)
+            made[name] = (info, natural, slopes)
         return made
 
     @torch.no_grad()
@@ -963,11 +1020,12 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                 return prior.loc, prior.precision.rsqrt()
             return prior.loc, precision_to_scale_tril(prior.precision)
         info, natural, slopes = expansion
+        diagonal = info.dim() == natural.dim()
         if slopes is not None:
             delta = (cascade.global_vector() - self._state("ref_mean")).unsqueeze(-1)
             natural = natural + (slopes[0] @ delta).squeeze(-1)
             stretch = (slopes[1] @ delta).squeeze(-1).exp()
-            if info.dim() == natural.dim():
+            if diagonal:
                 info = stretch * info * stretch
             else:
                 info = stretch.unsqueeze(-1) * info * stretch.unsqueeze(-2)
@@ -1110,6 +1168,32 @@ class _Cascade(PlateRecorder):
         glob = self.guide._global_level
         assert glob is not None
         return concat_broadcast([self.unconstrained[n] for n in glob.sites])
+
+
+def _element_shape(full: torch.Tensor, axes: list[tuple[int, torch.Tensor]], ndim: int) -> torch.Size:
+    """The batch shape (first ``ndim`` dims) of ``full`` cut to the indices of ``axes``."""
+    shape = list(full.shape[:ndim])
+    for axis, idx in axes:
+        shape[axis] = idx.shape[0]
+    return torch.Size(shape)
+
+
+def _gather_elements(full: torch.Tensor, axes: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    for axis, idx in axes:
+        full = full.index_select(axis, idx.to(full.device))
+    return full
+
+
+def _scatter_elements(full: torch.Tensor, axes: list[tuple[int, torch.Tensor]], part: torch.Tensor) -> None:
+    """``full[idx_1, …, idx_k] = part`` along the axes given (one index vector per axis), in place."""
+    if not axes:
+        full.copy_(part)
+        return
+    (axis, idx), rest = axes[0], axes[1:]
+    idx = idx.to(full.device)
+    inner = full.index_select(axis, idx)
+    _scatter_elements(inner, rest, part)
+    full.index_copy_(axis, idx, inner)
 
 
 def _average_hook(guide: weakref.ref) -> None:

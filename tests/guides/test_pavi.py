@@ -177,7 +177,9 @@ def test_calls_without_gradients_use_the_tail_average():
         expected = guide(*p.args, **p.kwargs)
     for name in draw:
         assert torch.allclose(draw[name], expected[name]), name
-    assert set(guide.state_parameters()) == {f"averages.{k}_unconstrained" for k in [*live, "count"]}
+    averages = {f"averages.{k}_unconstrained" for k in [*live, "count"]}
+    references = {f"references.{k}_unconstrained" for k in ["global_mean", "global_var", "ref_mean", "ref_sd", "calls"]}
+    assert set(guide.state_parameters()) == averages | references
 
 
 def test_parameter_counts():
