@@ -130,6 +130,37 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
     pushed forward from a standard normal in unconstrained space instead, as ``AutoNormal``'s Gaussian; it starts at
     the prior's median and spread (estimated from draws) unless told otherwise.
 
+    **Conjugate sites** (``conditional="conjugate"``, the default). A plated site whose prior conditional is Gaussian
+    in unconstrained space (county effects, schools, random effects) is not pushed forward from its prior: its flow
+    corrects the *standardised* draw of :math:`q_0`, the model's own conditional — the prior conditional at the
+    parents' draws times the likelihood's second-order expansion read from the model
+    (:func:`~pyro_hier.conjugate.element_expansion`: a Gaussian pseudo-observation
+    :math:`\bar\Lambda_n = F_n`, :math:`\bar\eta_n = F_n c_n + g_n` per plate element, which is the likelihood itself
+    where it is Gaussian in the site), moved with the globals' draw :math:`\theta` along slopes read from the model
+    as :class:`~pyro_hier.AutoBranchGuide` reads them (:math:`\eta(\theta) = \bar\eta + B(\theta - \bar\theta)`,
+    :math:`\Lambda(\theta) = E\bar\Lambda E`, :math:`E = \mathrm{diag}(e^{C(\theta - \bar\theta)})`):
+
+    .. math::
+
+        q_0(u_n \mid \mathrm{pa}) \propto p(u_n \mid \mathrm{pa})\,\mathcal N(\Lambda_n^{-1}\eta_n;\ u_n,
+        \Lambda_n^{-1}) = \mathcal N(m_n, L_n L_n^\top),\qquad
+        \varepsilon_n \sim \mathcal N(0, I),\quad u_n = m_n + L_n\, A\big(F_i(\varepsilon_n;\ c_n)\big),
+
+    with :math:`A` the site's free affine map. The flow and :math:`A` start as the identity, so q starts at
+    :math:`q_0` — the exact conditional of linear-Gaussian hierarchies, whatever the globals' draw (the funnel of a
+    centred model included) — and the networks, shared by the plate's elements, learn what it misses, in units of
+    the conditional sd; the base sample its descendants see is :math:`\varepsilon_n`. The expansion holds no
+    parameter: it is read at the running mean :math:`\bar\theta` (and sd) of the globals' draws (rate
+    :data:`GLOBAL_RATE`), redone every :data:`EXPANSION_EVERY` training calls and at once for other arguments;
+    :math:`\bar\theta` and the reference are gradient-free parameters (``references``), so ``state_dict``, the param
+    store and pickles carry them. A site with latent descendants (the regions above groups of a three-level model)
+    is not expanded — its rest of the model would read the descendants' values as data — and its :math:`q_0` is its
+    prior conditional (the flow then corrects the prior's standardised draw: its shifts are in units of the
+    population scale). In the drop-in loop of issue 19 (benchmarks/dropin.py; numbers in benchmarks/README.md)
+    this form took the largest posterior-mean error on radon from 1.37 reference sd (PAVI's own form) to about 0.2.
+    Calls without the observations (``Predictive`` with ``obs=None``) read each element's last pseudo-observation
+    made with data (elements never seen with data: none, i.e. :math:`q_0` is their prior conditional).
+
     Each call runs the model once under a handler that replaces each latent site's distribution by the flow pushing
     it forward, so the guide needs no description of the model beyond its trace; it opens the model's own plates
     with the model's own indices (``pyro.plate(..., subsample=idx)`` is honoured; with ``subsample_size=`` the guide
@@ -148,17 +179,18 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
     instead of the last iterate. The average and its count are parameters without gradients
     (:meth:`state_parameters`), so ``state_dict``, Pyro's param store and pickles carry them. In the drop-in loop of
     issue 19 (``ClippedAdam`` 0.01 decaying tenfold over 5,000 steps, one particle, 2,000 ``Predictive`` draws;
-    benchmarks/dropin.py, seed 0) the largest posterior-mean error on radon with Uniform priors was 0.16 reference
-    sd for the last iterate and 0.14 for the average over the last quarter (the noise scale's error 0.44 and 0.03);
-    PAVI's earlier default form went from 1.37 to 0.21 with it. An average lags behind parameters that still drift:
-    on radon with half-normal priors the last quarter's average was 0.89 sd off against the last iterate's 0.40,
-    the last tenth's (the default) 0.27. Longer runs: on radon, 12,000 steps with ``condition_on_ancestors=True``,
+    benchmarks/dropin.py, seed 0; measured with an earlier conjugate form whose pseudo-observation came from the
+    flow's network) the largest posterior-mean error on radon with Uniform priors was 0.16 reference sd for the last
+    iterate and 0.14 for the average over the last quarter (the noise scale's error 0.44 and 0.03); PAVI's own form
+    went from 1.37 to 0.21 with it. An average lags behind parameters that still drift: on radon with half-normal
+    priors the last quarter's average was 0.89 sd off against the last iterate's 0.40, the last tenth's (the
+    default) 0.27. Longer runs: on radon, 12,000 steps with ``condition_on_ancestors=True``,
     the last iterate's largest posterior-mean error was 0.12–0.14 reference sd, the average of the last 3,000
     iterates' 0.059–0.081 on five seeds (benchmarks/pavi_radon.py).
 
     Example::
 
-        guide = AutoPlateAmortizedFlow(model, encoder="free", encoding_size=8)
+        guide = AutoPlateAmortizedFlow(model)              # instead of AutoNormal(model)
         svi = SVI(model, guide, pyro.optim.Adam({"lr": 5e-3}), Trace_ELBO())
         for step in range(2000):
             svi.step(x, subsample=torch.randperm(N)[:20])
@@ -187,21 +219,14 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         hierarchies (GRE, 20 groups: 0.05 nats from the exact evidence after 1,500 steps, against a floor of about
         0.02 nats per group and dimension without). They used to diverge on radon (the noise scale's q 500× too
         wide after 1,500 steps), which the networks' output multiplier fixed (see
-        :class:`~pyro_hier.flows.ConditionalAffine`): benchmarks/pavi_radon.py measures both forms. With the
-        conjugate conditional they let each group's pseudo-observation follow the population parameters and the
-        noise scale (how a group's likelihood moves with them), which the drop-in loop needs: on radon (seed 0) the
-        largest posterior-mean error was 0.14 reference sd with them, 1.21 without.
+        :class:`~pyro_hier.flows.ConditionalAffine`): benchmarks/pavi_radon.py measures both forms.
     :param conditional: how a plated site whose prior conditional is Gaussian in unconstrained space (``Normal``,
-        ``LogNormal``) gets its q given the parents. ``"conjugate"`` (the default with ``flow="affine"``): the prior
-        conditional times a Gaussian pseudo-observation :math:`N(m, v)` whose mean and sd are the free affine map
-        and the flow's network of the context (:math:`m = b + e^\beta a(c)`, :math:`\sqrt v = e^\beta s(c)`), so
-        q's conditional mean and sd follow the sampled population scale as the exact conditional does: a group with
-        much data is nearly independent of it, one with little data follows it (the funnel), with no coefficient
-        to learn; it is the exact conditional of linear-Gaussian hierarchies. ``"pushforward"`` (the default with
-        other flows, PAVI's own form): the flow pushes the prior conditional forward, which ties q's spread of every
-        group to the population scale. On radon in the drop-in loop (seed 0, with ancestors) the largest
-        posterior-mean error was 0.14 reference sd with ``"conjugate"``, 0.83 with ``"pushforward"``. Sites whose
-        prior is not Gaussian there, and global sites, are pushed forward either way.
+        ``LogNormal``, ``MultivariateNormal``) gets its q given the parents. ``"conjugate"`` (default): its flow
+        corrects :math:`q_0`, the model's own conditional (see "Conjugate sites" above). ``"pushforward"``, PAVI's own
+        form: the flow pushes the prior conditional forward, which ties the spread of every group's q to the
+        population scale and leaves every group's shift to be learnt from its encoding (radon in the drop-in loop,
+        seed 0: 1.37 reference sd off after 5,000 steps). Global sites and sites whose prior conditional is not
+        Gaussian are pushed forward either way.
     :param local_features: covariates of the observed sites for ``encoder="deepset"``: ``(*args, **kwargs) ->`` a
         tensor (one observed site) or ``{site: tensor}``, batch dims as the site's (rows for a flat plate; subsampled
         plates at full size are sliced), then features; each element's input is its observed value followed by its
@@ -211,9 +236,10 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         q equals the posterior (see :class:`~pyro_hier.AutoBranchGuide`).
     :param init_loc_fn: an initialisation strategy (as in ``AutoNormal``: ``init_to_median``, ``init_to_value(...)``,
         …): q starts with its median there. ``None`` (default): q starts at the prior conditional pushed forward by
-        the identity, PAVI's own start.
+        the identity, PAVI's own start. (Conjugate sites start at :math:`q_0`.)
     :param init_scale: q's initial spread in unconstrained space (sd of a Gaussian prior; for others, the
-        interquartile range / 1.349). ``None`` (default): the prior's spread.
+        interquartile range / 1.349). ``None`` (default): the prior's spread. (Conjugate sites start at
+        :math:`q_0`.)
     :param num_summary_samples: draws behind ``median`` and ``quantiles``.
     :param tail_average: the fraction of the training steps so far over which the parameters are averaged for
         calls without gradients (see "Tail average" above); ``None`` uses the last iterate everywhere.
