@@ -59,6 +59,8 @@ _CONDITIONALS = ("conjugate", "pushforward")
 EXPANSION_EVERY = 10
 #: rate of the running mean and variance of the globals' draws, where the pseudo-observations are read
 GLOBAL_RATE = 0.05
+#: bound on the log-stretch of a pseudo-observation's sd along its slopes (far draws early in a run, float32)
+STRETCH_LIMIT = 15.0
 
 
 class AutoPlateAmortizedFlow(HierarchicalGuide):
@@ -1050,7 +1052,8 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         if slopes is not None:
             delta = (cascade.global_vector() - self._state("ref_mean")).unsqueeze(-1)
             natural = natural + (slopes[0] @ delta).squeeze(-1)
-            stretch = (slopes[1] @ delta).squeeze(-1).exp()
+            # (e^{±15} ≈ 3e6: a draw that far from the reference, early in a run, must not overflow float32)
+            stretch = (slopes[1] @ delta).squeeze(-1).clamp(-STRETCH_LIMIT, STRETCH_LIMIT).exp()
             if diagonal:
                 info = stretch * info * stretch
             else:
