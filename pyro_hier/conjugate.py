@@ -78,6 +78,7 @@ __all__ = [
     "line_searched_mean",
     "newton_mean",
     "precision_to_scale_tril",
+    "psd_part",
     "rebase",
 ]
 
@@ -170,6 +171,17 @@ def precision_to_scale_tril(precision: torch.Tensor) -> torch.Tensor:
     flipped = torch.linalg.cholesky(precision.flip(-2, -1))
     eye = torch.eye(precision.shape[-1], dtype=precision.dtype, device=precision.device)
     return torch.linalg.solve_triangular(flipped.mT, eye, upper=True).flip(-2, -1)
+
+
+def psd_part(matrix: torch.Tensor) -> torch.Tensor:
+    """A symmetric matrix with its negative eigenvalues set to zero (a curvature where the likelihood is not
+    log-concave): the precision of a model's pseudo-observation (:class:`~pyro_hier.AutoAmortizedBranchGuide`,
+    :class:`~pyro_hier.AutoPlateAmortizedFlow`)."""
+    sym = 0.5 * (matrix + matrix.mT)
+    if sym.shape[-1] == 1:
+        return sym.clamp(min=0.0)
+    values, vectors = torch.linalg.eigh(sym)
+    return (vectors * values.clamp(min=0.0).unsqueeze(-2)) @ vectors.mT
 
 
 # ---- running the model ----------------------------------------------------------------------------------------------

@@ -145,5 +145,8 @@ def moment_error(approx: Mapping[str, Moments], reference: Mapping[str, Moments]
 
 
 def count_parameters(module: torch.nn.Module) -> int:
-    """Number of scalar parameters of a (built) guide."""
-    return sum(p.numel() for p in module.parameters())
+    """Number of scalar parameters of a (built) guide that are optimised: a guide's gradient-free state
+    (``state_parameters()``, e.g. the tail average of its parameters) is not counted."""
+    state = getattr(module, "state_parameters", None)
+    skip = set() if state is None else {id(p) for p in state().values()}
+    return sum(p.numel() for p in module.parameters() if id(p) not in skip)

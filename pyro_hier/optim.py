@@ -28,7 +28,7 @@ never saw.) When every row is seen on every step, the result is the dense optimi
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from pyro.optim import PyroOptim
@@ -128,7 +128,12 @@ class IterateAverage:
 
 
 @torch.no_grad()
-def tail_average_update(average: torch.Tensor, value: torch.Tensor, count: int, fraction: float) -> None:
+def tail_average_update(
+    average: torch.Tensor | Sequence[torch.Tensor],
+    value: torch.Tensor | Sequence[torch.Tensor],
+    count: int,
+    fraction: float,
+) -> None:
     r"""One step of an online tail average, in place: after the :math:`n`-th value :math:`\phi_n`,
 
     .. math:: \bar\phi_n = \bar\phi_{n-1} + \beta_n (\phi_n - \bar\phi_{n-1}),
@@ -146,15 +151,23 @@ def tail_average_update(average: torch.Tensor, value: torch.Tensor, count: int, 
             ...  # an optimiser step on loc
             tail_average_update(average, loc, n, fraction=0.25)
 
-    :param average: :math:`\bar\phi_{n-1}`, overwritten with :math:`\bar\phi_n`.
-    :param value: :math:`\phi_n`.
+    :param average: :math:`\bar\phi_{n-1}`, overwritten with :math:`\bar\phi_n`; or a sequence of such tensors
+        (all updated in one fused operation: :class:`~pyro_hier.AutoPlateAmortizedFlow` averages every weight of its
+        networks so).
+    :param value: :math:`\phi_n` (a sequence matching ``average``'s).
     :param count: :math:`n \ge 1`.
     :param fraction: :math:`f \in (0, 1]`.
     """
     if not 0 < fraction <= 1:
         raise ValueError(f"tail_average_update: fraction must be in (0, 1], got {fraction!r}")
     beta = 1.0 / max(1.0, fraction * count)
-    average.add_(value.detach().to(average.dtype) - average, alpha=beta)
+    if isinstance(average, torch.Tensor):
+        average.add_(value.detach().to(average.dtype) - average, alpha=beta)
+        return
+    averages = list(average)
+    values = [v.detach().to(a.dtype) for a, v in zip(averages, value, strict=True)]
+    if averages:
+        torch._foreach_lerp_(averages, values, beta)
 
 
 class LazyAdam(torch.optim.Optimizer):

@@ -21,6 +21,7 @@ from pyro_hier.conjugate import (
     capture_priors,
     gaussian_update,
     precision_to_scale_tril,
+    psd_part,
 )
 from pyro_hier.distributions import StickingTheLanding
 from pyro_hier.errors import StructureError
@@ -852,7 +853,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
                 info = curvature.diagonal(dim1=-2, dim2=-1).clamp(min=0.0)
                 natural = info * centre + gradient
             else:
-                info = _psd_part(curvature)
+                info = psd_part(curvature)
                 natural = (info @ centre.unsqueeze(-1)).squeeze(-1) + gradient
             slopes = None
             nodes = self._slope_nodes(level, curvature, lambda at=values, u=centre, f=expand: f(at, u + 1.0)[1])
@@ -1281,16 +1282,6 @@ def _identity(args: tuple, kwargs: dict) -> tuple:
         return id(x)
 
     return tuple(one(a) for a in args) + tuple((k, one(v)) for k, v in sorted(kwargs.items()))
-
-
-def _psd_part(matrix: torch.Tensor) -> torch.Tensor:
-    """A symmetric matrix with its negative eigenvalues set to zero (a curvature where the likelihood is not
-    log-concave)."""
-    sym = 0.5 * (matrix + matrix.mT)
-    if sym.shape[-1] == 1:
-        return sym.clamp(min=0.0)
-    values, vectors = torch.linalg.eigh(sym)
-    return (vectors * values.clamp(min=0.0).unsqueeze(-2)) @ vectors.mT
 
 
 def _key(level_name: str) -> str:

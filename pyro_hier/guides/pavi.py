@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import pyro
 import pyro.distributions as dist
@@ -12,32 +14,53 @@ import torch
 from pyro import poutine
 from pyro.distributions.conditional import ConditionalTransformModule
 from pyro.infer.autoguide.initialization import init_to_feasible
+from pyro.nn import PyroModule, PyroParam
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.subsample_messenger import _Subsample
 from torch import nn
 from torch.distributions import biject_to, constraints
-from torch.distributions.transforms import ReshapeTransform, Transform
+from torch.distributions.transforms import AffineTransform, ReshapeTransform, Transform
 
+from pyro_hier.conjugate import (
+    GaussianPrior,
+    Unobserved,
+    capture_priors,
+    element_expansion,
+    gaussian_prior,
+    gaussian_update,
+    precision_to_scale_tril,
+    psd_part,
+)
 from pyro_hier.distributions import StickingTheLanding
 from pyro_hier.encoders import DeepSetEncoder, FreeEncoding, FrozenPositions, SiteData
 from pyro_hier.errors import StructureError
 from pyro_hier.flows import FreeAffine, make_flow
 from pyro_hier.gather_maps import GatherMaps
 from pyro_hier.gathers import keep_random_state
-from pyro_hier.guides.base import HierarchicalGuide, empirical_quantiles, parameter_keys
+from pyro_hier.guides.base import HierarchicalGuide, concat_broadcast, empirical_quantiles, parameter_keys
+from pyro_hier.guides.branch import CURVATURE_FLOOR, DERIVATIVE_STEP, SLOPE_NODES
 from pyro_hier.local_data import (
     ObservedRows,
     call_local_features,
     capture_observations,
     data_complete,
+    is_factor,
     observation_features,
 )
+from pyro_hier.optim import tail_average_update
 from pyro_hier.plates import PlateRecorder, capture_plates
 from pyro_hier.structure import LatentSite, ModelStructure
 
 __all__ = ["AutoPlateAmortizedFlow"]
 
 _ENCODERS = ("free", "deepset")
+_CONDITIONALS = ("conjugate", "pushforward")
+#: the model's pseudo-observations are read again after this many training calls (at once for other arguments)
+EXPANSION_EVERY = 10
+#: rate of the running mean and variance of the globals' draws, where the pseudo-observations are read
+GLOBAL_RATE = 0.05
+#: bound on the log-stretch of a pseudo-observation's sd along its slopes (far draws early in a run, float32)
+STRETCH_LIMIT = 15.0
 
 
 class AutoPlateAmortizedFlow(HierarchicalGuide):
@@ -109,6 +132,37 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
     pushed forward from a standard normal in unconstrained space instead, as ``AutoNormal``'s Gaussian; it starts at
     the prior's median and spread (estimated from draws) unless told otherwise.
 
+    **Conjugate sites** (``conditional="conjugate"``, the default). A plated site whose prior conditional is Gaussian
+    in unconstrained space (county effects, schools, random effects) is not pushed forward from its prior: its flow
+    corrects the *standardised* draw of :math:`q_0`, the model's own conditional — the prior conditional at the
+    parents' draws times the likelihood's second-order expansion read from the model
+    (:func:`~pyro_hier.conjugate.element_expansion`: a Gaussian pseudo-observation
+    :math:`\bar\Lambda_n = F_n`, :math:`\bar\eta_n = F_n c_n + g_n` per plate element, which is the likelihood itself
+    where it is Gaussian in the site), moved with the globals' draw :math:`\theta` along slopes read from the model
+    as :class:`~pyro_hier.AutoBranchGuide` reads them (:math:`\eta(\theta) = \bar\eta + B(\theta - \bar\theta)`,
+    :math:`\Lambda(\theta) = E\bar\Lambda E`, :math:`E = \mathrm{diag}(e^{C(\theta - \bar\theta)})`):
+
+    .. math::
+
+        q_0(u_n \mid \mathrm{pa}) \propto p(u_n \mid \mathrm{pa})\,\mathcal N(\Lambda_n^{-1}\eta_n;\ u_n,
+        \Lambda_n^{-1}) = \mathcal N(m_n, L_n L_n^\top),\qquad
+        \varepsilon_n \sim \mathcal N(0, I),\quad u_n = m_n + L_n\, A\big(F_i(\varepsilon_n;\ c_n)\big),
+
+    with :math:`A` the site's free affine map. The flow and :math:`A` start as the identity, so q starts at
+    :math:`q_0` — the exact conditional of linear-Gaussian hierarchies, whatever the globals' draw (the funnel of a
+    centred model included) — and the networks, shared by the plate's elements, learn what it misses, in units of
+    the conditional sd; the base sample its descendants see is :math:`\varepsilon_n`. The expansion holds no
+    parameter: it is read at the running mean :math:`\bar\theta` (and sd) of the globals' draws (rate
+    :data:`GLOBAL_RATE`), redone every :data:`EXPANSION_EVERY` training calls and at once for other arguments;
+    :math:`\bar\theta` and the reference are gradient-free parameters (``references``), so ``state_dict``, the param
+    store and pickles carry them. A site with latent descendants (the regions above groups of a three-level model)
+    is not expanded — its rest of the model would read the descendants' values as data — and its :math:`q_0` is its
+    prior conditional (the flow then corrects the prior's standardised draw: its shifts are in units of the
+    population scale). In the drop-in loop of issue 19 (benchmarks/dropin.py; numbers in benchmarks/README.md)
+    this form took the largest posterior-mean error on radon from 1.37 reference sd (PAVI's own form) to about 0.2.
+    Calls without the observations (``Predictive`` with ``obs=None``) read each element's last pseudo-observation
+    made with data (elements never seen with data: none, i.e. :math:`q_0` is their prior conditional).
+
     Each call runs the model once under a handler that replaces each latent site's distribution by the flow pushing
     it forward, so the guide needs no description of the model beyond its trace; it opens the model's own plates
     with the model's own indices (``pyro.plate(..., subsample=idx)`` is honoured; with ``subsample_size=`` the guide
@@ -119,15 +173,26 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
     ``median`` and ``quantiles`` are Monte Carlo estimates from ``num_summary_samples`` draws (for the plates as the
     model opens them with the arguments given).
 
-    Funnels (a group scale whose posterior reaches towards zero) leave the ELBO nearly flat along the scale, so the
-    last iterate of a noisy run scatters there: average the iterates over the end of the run
-    (:class:`~pyro_hier.optim.IterateAverage`). On radon, 12,000 steps with ``condition_on_ancestors=True``: the
-    last iterate's largest posterior-mean error was 0.12–0.14 reference sd, the average of the last 3,000 iterates'
-    0.059–0.081 on five seeds (benchmarks/pavi_radon.py).
+    **Tail average.** Funnels (a group scale whose posterior reaches towards zero) leave the ELBO nearly flat along
+    the scale, so the last iterate of a noisy run scatters there. The guide therefore keeps a Polyak–Ruppert average
+    of its parameters over the last ``tail_average`` fraction of the training steps so far
+    (:func:`~pyro_hier.optim.tail_average_update`, updated from a gradient hook, so any training loop feeds it), and
+    every call without gradients (``Predictive``, ``median``, ``quantiles``, ``Trace_ELBO().loss``) uses the average
+    instead of the last iterate. The average and its count are parameters without gradients
+    (:meth:`state_parameters`), so ``state_dict``, Pyro's param store and pickles carry them. In the drop-in loop of
+    issue 19 (``ClippedAdam`` 0.01 decaying tenfold over 5,000 steps, one particle, 2,000 ``Predictive`` draws;
+    benchmarks/dropin.py, seed 0; measured with an earlier conjugate form whose pseudo-observation came from the
+    flow's network) the largest posterior-mean error on radon with Uniform priors was 0.16 reference sd for the last
+    iterate and 0.14 for the average over the last quarter (the noise scale's error 0.44 and 0.03); PAVI's own form
+    went from 1.37 to 0.21 with it. An average lags behind parameters that still drift: on radon with half-normal
+    priors the last quarter's average was 0.89 sd off against the last iterate's 0.40, the last tenth's (the
+    default) 0.27. Longer runs: on radon, 12,000 steps with ``condition_on_ancestors=True``,
+    the last iterate's largest posterior-mean error was 0.12–0.14 reference sd, the average of the last 3,000
+    iterates' 0.059–0.081 on five seeds (benchmarks/pavi_radon.py).
 
     Example::
 
-        guide = AutoPlateAmortizedFlow(model, encoder="free", encoding_size=8)
+        guide = AutoPlateAmortizedFlow(model)              # instead of AutoNormal(model)
         svi = SVI(model, guide, pyro.optim.Adam({"lr": 5e-3}), Trace_ELBO())
         for step in range(2000):
             svi.step(x, subsample=torch.randperm(N)[:20])
@@ -136,8 +201,10 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
     :param model: a Pyro model whose latent sites are all continuous and reparameterisable.
     :param encoder: ``"free"`` or ``"deepset"``.
     :param encoding_size: size ``C`` of each plate element's encoding.
-    :param flow: ``"affine+maf"`` (an affine block then a masked autoregressive flow, PAVI's default),
-        ``"affine"``, or a callable ``(input_dim, context_dim)`` returning a Pyro
+    :param flow: ``"affine"`` (default: an elementwise affine map whose shift and log-scale are networks of the
+        context; it does not correlate the coordinates of one element's vector, as ``AutoNormal`` does not),
+        ``"affine+maf"`` (an affine block then a masked autoregressive flow, PAVI's own choice), or a callable
+        ``(input_dim, context_dim)`` returning a Pyro
         :class:`~pyro.distributions.conditional.ConditionalTransformModule`. The autoregressive block buys
         non-Gaussian shapes (skew, funnels) at a price in precision where the posterior given the parents is close
         to Gaussian: on GRE with 20,000 groups (deep set, 20 groups per step, 60 s) the gap to the exact evidence
@@ -145,14 +212,23 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         cheaper, also took 50% more steps (benchmarks/pavi.py). The autoregressive block's error is in the groups'
         conditionals, spread over all groups and largest for those with extreme data
         (benchmarks/pavi_gap_split.py).
-    :param flow_hidden: hidden layers of the flows' networks.
+    :param flow_hidden: hidden layers of the flows' networks (default one of 32 units: with two, radon's drop-in
+        loop cost 8% more CPU time per step).
     :param encoder_hidden: hidden layers of the deep-set networks (``encoder="deepset"``).
     :param condition_on_ancestors: include the earlier sites' base samples in each flow's context (see above).
-        Default ``False``, PAVI's own form. With them the family contains the exact posterior of linear-Gaussian
+        Default ``True``; ``False`` is PAVI's own form. With them the family contains the exact posterior of
+        linear-Gaussian
         hierarchies (GRE, 20 groups: 0.05 nats from the exact evidence after 1,500 steps, against a floor of about
         0.02 nats per group and dimension without). They used to diverge on radon (the noise scale's q 500× too
         wide after 1,500 steps), which the networks' output multiplier fixed (see
         :class:`~pyro_hier.flows.ConditionalAffine`): benchmarks/pavi_radon.py measures both forms.
+    :param conditional: how a plated site whose prior conditional is Gaussian in unconstrained space (``Normal``,
+        ``LogNormal``, ``MultivariateNormal``) gets its q given the parents. ``"conjugate"`` (default): its flow
+        corrects :math:`q_0`, the model's own conditional (see "Conjugate sites" above). ``"pushforward"``, PAVI's own
+        form: the flow pushes the prior conditional forward, which ties the spread of every group's q to the
+        population scale and leaves every group's shift to be learnt from its encoding (radon in the drop-in loop,
+        seed 0: 1.37 reference sd off after 5,000 steps). Global sites and sites whose prior conditional is not
+        Gaussian are pushed forward either way.
     :param local_features: covariates of the observed sites for ``encoder="deepset"``: ``(*args, **kwargs) ->`` a
         tensor (one observed site) or ``{site: tensor}``, batch dims as the site's (rows for a flat plate; subsampled
         plates at full size are sliced), then features; each element's input is its observed value followed by its
@@ -162,10 +238,13 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         q equals the posterior (see :class:`~pyro_hier.AutoBranchGuide`).
     :param init_loc_fn: an initialisation strategy (as in ``AutoNormal``: ``init_to_median``, ``init_to_value(...)``,
         …): q starts with its median there. ``None`` (default): q starts at the prior conditional pushed forward by
-        the identity, PAVI's own start.
+        the identity, PAVI's own start. (Conjugate sites start at :math:`q_0`.)
     :param init_scale: q's initial spread in unconstrained space (sd of a Gaussian prior; for others, the
-        interquartile range / 1.349). ``None`` (default): the prior's spread.
+        interquartile range / 1.349). ``None`` (default): the prior's spread. (Conjugate sites start at
+        :math:`q_0`.)
     :param num_summary_samples: draws behind ``median`` and ``quantiles``.
+    :param tail_average: the fraction of the training steps so far over which the parameters are averaged for
+        calls without gradients (see "Tail average" above); ``None`` uses the last iterate everywhere.
 
     Reference: L. Rouillard, A. Le Bris, T. Moreau, D. Wassermann, *PAVI: Plate-Amortized Variational Inference*,
     TMLR 2023.
@@ -177,15 +256,17 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         *,
         encoder: str = "free",
         encoding_size: int = 16,
-        flow: str | Callable[[int, int], ConditionalTransformModule] = "affine+maf",
-        flow_hidden: Sequence[int] = (32, 32),
+        flow: str | Callable[[int, int], ConditionalTransformModule] = "affine",
+        flow_hidden: Sequence[int] = (32,),
         encoder_hidden: Sequence[int] = (32,),
-        condition_on_ancestors: bool = False,
+        condition_on_ancestors: bool = True,
         local_features: Callable | None = None,
         stick_the_landing: bool = False,
         init_loc_fn: Callable | None = None,
         init_scale: float | None = None,
         num_summary_samples: int = 1000,
+        tail_average: float | None = 0.1,
+        conditional: str | None = None,
     ) -> None:
         if encoder not in _ENCODERS:
             raise ValueError(f"encoder must be one of {_ENCODERS}, got {encoder!r}")
@@ -212,6 +293,18 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             isinstance(init_scale, int | float) and init_scale > 0 and math.isfinite(init_scale)
         ):
             raise ValueError(f"init_scale must be None or a positive number, got {init_scale!r}")
+        if tail_average is not None and not (isinstance(tail_average, int | float) and 0 < tail_average <= 1):
+            raise ValueError(f"tail_average must be None or a fraction in (0, 1], got {tail_average!r}")
+        self.tail_average = None if tail_average is None else float(tail_average)
+        if conditional is None:
+            conditional = "conjugate"
+        if conditional not in _CONDITIONALS:
+            raise ValueError(f"conditional must be one of {_CONDITIONALS} or None, got {conditional!r}")
+        self.conditional = conditional
+        self._hooked: weakref.ref | None = None
+        self._average_pairs: tuple = ()
+        self._expansion: tuple | None = None  # (call key, {site: the model's pseudo-observation}) of the last refresh
+        self._data_tables: dict[str, list[torch.Tensor]] = {}  # each element's last pseudo-observation with data
         self._start_at_init_loc = init_loc_fn is not None
         self._init_scale = None if init_scale is None else float(init_scale)
         self.encoder_kind = encoder
@@ -235,6 +328,9 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         state["_detached_flows"] = None  # rebuilt on use
+        state["_hooked"] = None  # gradient hooks are not pickled: the first training call installs them again
+        state["_average_pairs"] = ()
+        state["_expansion"] = None  # redone from the references (state) on the next call
         return state
 
     # ---- setup ----------------------------------------------------------------------------------------------
@@ -264,6 +360,22 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         self._level_of = {name: level for level in self.levels for name in level.sites}
         levels = {level.name: level for level in self.levels}
         order = {name: i for i, name in enumerate(structure.latent)}
+        self._conjugate_sites = frozenset(
+            name
+            for name in sites
+            if self.conditional == "conjugate"
+            and self._level_of[name].plates
+            and structure.latent[name].reparameterized
+            and gaussian_prior(structure.latent[name].fn, structure.latent[name].support) is not None
+        )
+        # the model's own pseudo-observation is read for the conjugate sites of levels without latent descendants
+        # (whose rest of the model is their likelihood; a level above others would read its children's values as data)
+        self._expanded_sites = frozenset(
+            name
+            for name in self._conjugate_sites
+            if not any(self._level_of[name].name in level.ancestors for level in self.levels)
+        )
+        self._global_level = next((level for level in self.levels if not level.plates), None)
         self._context_sites: dict[str, tuple[str, ...]] = {}
         self._context_levels: dict[str, tuple[str, ...]] = {}
         like = next(iter(structure.latent.values())).value
@@ -326,6 +438,47 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         self.flows.to(dtype=like.dtype, device=like.device)
         self.encoder.to(dtype=like.dtype, device=like.device)
         self.site_affines.to(dtype=like.dtype, device=like.device)
+        # the tail average of the trainable parameters and its count: state, not optimised (no gradient reaches it),
+        # kept as parameters so that the param store, state_dict and pickling carry it
+        self.averages = PyroModule()
+        if self.tail_average is not None:
+            for key, param in self._trainable().items():
+                setattr(self.averages, key, PyroParam(param.detach().clone(), constraints.real))
+                getattr(self.averages, key)  # (read once: a trace of this call records the parameter, not its init)
+            self.averages.count = PyroParam(like.new_zeros(()), constraints.real)
+            _ = self.averages.count
+        # where the model's pseudo-observations are read (state, not optimised): a running mean and variance of the
+        # globals' draws (unconstrained), the mean and sd of the last reference, training calls since it was made
+        self.references = PyroModule()
+        if self._expanded_sites:
+            mean, sd = self._initial_global_moments(like.dtype)
+            state = {"global_mean": mean, "global_var": sd.pow(2), "ref_mean": mean, "ref_sd": sd}
+            state["calls"] = like.new_zeros(())
+            for key, value in state.items():
+                setattr(self.references, key, PyroParam(value.detach().clone(), constraints.real))
+                getattr(self.references, key)  # (read once: a trace of this call records the parameter, not its init)
+
+    def _initial_global_moments(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The globals' element vector (unconstrained, sites in model order) at the start: the median and spread
+        (interquartile range / 1.349) of their prior, or the init location and ``init_scale`` when given."""
+        assert self.structure is not None
+        glob = self._global_level
+        if glob is None:
+            empty = torch.zeros(0, dtype=dtype)
+            return empty, empty
+        means, sds = [], []
+        for name in glob.sites:
+            site = self.structure.latent[name]
+            fn = site.fn.to_event(len(site.batch_shape)) if site.batch_shape else site.fn
+            to_unconstrained = biject_to(fn.support).inv
+            with torch.no_grad(), keep_random_state():
+                draws = to_unconstrained(fn.sample((1024,))).to(dtype).reshape(1024, -1)
+                q = empirical_quantiles(draws, [0.25, 0.5, 0.75])
+                init = to_unconstrained(site.value).to(dtype).reshape(-1)
+            means.append(init if self._start_at_init_loc else q[1])
+            spread = ((q[2] - q[0]) / 1.349).clamp(min=1e-6)
+            sds.append(spread if self._init_scale is None else torch.full_like(spread, self._init_scale))
+        return torch.cat(means), torch.cat(sds)
 
     def _initial_affine(self, site: LatentSite, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         r"""``(b, e^β)`` of the site's :class:`~pyro_hier.flows.FreeAffine`, which follows its flow (the named flows
@@ -339,11 +492,18 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         location, else the prior's median) and :math:`\sigma` (``init_scale``, else the prior's spread). The flow is
         shared by a plate's elements, so a plated site starts at its elements' mean target: exact when the init
         location and the prior's median are the same for every element (``init_to_feasible``, ``init_to_median``,
-        ``init_to_mean``, one value given to ``init_to_value``), their average otherwise (``init_to_sample``)."""
+        ``init_to_mean``, one value given to ``init_to_value``), their average otherwise (``init_to_sample``).
+        For a site with the conjugate conditional, ``(b, e^β)`` are the pseudo-observation's mean and sd instead: the
+        target and the spread (without ``init_loc_fn`` and ``init_scale``: 0 and 1), so q starts there, pulled
+        towards the prior conditional by its precision."""
         n = site.element_numel
         one = torch.ones(n, dtype=dtype, device=site.value.device)
+        if site.name in self._conjugate_sites:  # the identity on the standardised draw: q starts at q0
+            return one * 0.0, one
         if site.reparameterized and not self._start_at_init_loc and self._init_scale is None:
-            return one * 0.0, one  # the identity: PAVI's own start at the prior conditional
+            # the identity: PAVI's own start at the prior conditional; for a conjugate site, a unit
+            # pseudo-observation at 0 in unconstrained space
+            return one * 0.0, one
         fn = site.fn
         if site.is_global and site.batch_shape:
             fn = fn.to_event(len(site.batch_shape))
@@ -380,6 +540,307 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             for twin, param in zip(self._detached_flows[0].parameters(), live.parameters(), strict=True):
                 twin.data = param.data  # same storage, no autograd history: the flows with detached parameters
 
+    # ---- the tail average of the iterates ---------------------------------------------------------------------
+    def _trainable(self) -> dict[str, nn.Parameter]:
+        """The optimised parameters (flows, encoder, free affine maps) as they are now, by their key in
+        ``averages``."""
+        out = {}
+        for module in ("flows", "encoder", "site_affines"):
+            for name, param in self._modules[module].named_parameters():
+                out[f"{module}__{name.replace('.', '__')}"] = param
+        return out
+
+    def state_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """The guide's parameters that are state, not optimised (no gradient reaches them): the tail average of the
+        others and its count, and where the model's pseudo-observations are read (``references``). They are
+        parameters so that Pyro's param store carries them; leave them out of hand-built optimisers
+        (:class:`~pyro_hier.optim.IterateAverage` leaves them out)."""
+        out = {}
+        for module in ("averages", "references"):
+            held = self._modules.get(module)
+            if held is not None:
+                out.update({f"{module}.{k}": v for k, v in held.named_parameters()})
+        return out
+
+    # ---- the model's pseudo-observations ----------------------------------------------------------------------
+    def _state(self, key: str) -> torch.Tensor:
+        """A reference tensor (state) as it is now, without gradient."""
+        return getattr(self.references, key).detach()
+
+    def _write_state(self, key: str, value: torch.Tensor) -> None:
+        getattr(self.references, key)  # (adopts the param store's tensor, e.g. after a load)
+        raw = self.references.get_parameter(f"{key}_unconstrained")
+        raw.data.copy_(value.to(raw.dtype))
+
+    def _global_values(self, u: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The globals' constrained values at their element vector ``u`` (unconstrained)."""
+        glob = self._global_level
+        if glob is None:
+            return {}
+        return {n: self._constrain(n, self._site_unconstrained(glob, n, u, broadcast=False)) for n in glob.sites}
+
+    def _site_value(self, name: str, u: torch.Tensor) -> torch.Tensor:
+        """A plated site's constrained value at its flattened unconstrained element vectors ``u (…, n)``."""
+        assert self.structure is not None
+        site = self.structure.latent[name]
+        event = site.unconstrained_shape[len(site.unconstrained_shape) - site.unconstrained_event_dim :]
+        return self._constrain(name, u.reshape(u.shape[:-1] + event))
+
+    def _call_key(self, args: tuple, kwargs: dict, calls: dict | None) -> tuple:
+        key = tuple(id(a) for a in args) + tuple((k, id(v)) for k, v in sorted(kwargs.items()))
+        if calls:
+            key += tuple((n, tuple(c.indices.tolist())) for n, c in sorted(calls.items()))
+        return key
+
+    def _expansions_for_call(self, args: tuple, kwargs: dict, forced: dict, calls: dict | None) -> dict:
+        """``{site: (precision, natural parameter, slopes or None)}``: the model's pseudo-observation of each expanded
+        site's elements on this call (:meth:`_expand`). Kept while the arguments are the same objects (and the
+        subsampled plates the same indices), redone every :data:`EXPANSION_EVERY` training calls at the running mean
+        of the globals' draws."""
+        if not self._expanded_sites:
+            return {}
+        assert self.structure is not None
+        if self.structure.subsampled_plates and calls is None:  # the indices of this call are part of its key
+            with keep_random_state():
+                calls = capture_plates(_ForceSubsamples(forced)(self.model), args, kwargs)
+        if torch.is_grad_enabled() and float(self._state("calls")) >= EXPANSION_EVERY:
+            # a new reference at the running moments of the globals' draws
+            self._write_state("ref_mean", self._state("global_mean"))
+            self._write_state("ref_sd", self._state("global_var").clamp(min=1e-12).sqrt())
+            self._write_state("calls", torch.zeros(()))
+        key = self._call_key(args, kwargs, calls if self.structure.subsampled_plates else None)
+        if self._global_level is not None:  # the reference is part of the key (a new one, or a loaded state)
+            key += tuple(self._state("ref_mean").tolist()) + tuple(self._state("ref_sd").tolist())
+        if self._expansion is not None and self._expansion[0] == key:
+            return self._expansion[1]
+        if calls is None:
+            with keep_random_state():
+                calls = capture_plates(_ForceSubsamples(forced)(self.model), args, kwargs)
+        try:
+            with keep_random_state():
+                made = self._expand(args, kwargs, calls)
+        except Unobserved:  # the observations omitted (Predictive with obs=None): each element's last data
+            if not self._data_tables:
+                raise StructureError(
+                    "the observed sites are not observed in this call (observations omitted, as in "
+                    "Predictive(model, guide=guide) with obs=None) and the guide has not been called with its data "
+                    "yet: call the guide (or train it) on the data first"
+                ) from None
+            made = self._from_data_tables(calls)
+        else:
+            self._to_data_tables(made, calls)
+        self._expansion = (key, made)
+        return made
+
+    def _element_axes(self, name: str, calls: dict, ndim: int) -> list[tuple[int, torch.Tensor]]:
+        """``(axis, indices)`` of a site's plates in a table whose batch has ``ndim`` dims."""
+        level = self._level_of[name]
+        return [(ndim + dim, calls[p].indices) for p, dim in zip(level.plates, level.dims, strict=True)]
+
+    @torch.no_grad()
+    def _to_data_tables(self, made: dict, calls: dict) -> None:
+        r"""Keep each element's last pseudo-observation made with data, at the plates' full sizes, in a form that does
+        not depend on the reference :math:`\bar\theta` it was read at: :math:`\eta_0 = \bar\eta - B\bar\theta`,
+        :math:`\Lambda_0 = E(-\bar\theta)\bar\Lambda E(-\bar\theta)`, so that :math:`\eta(\theta) = \eta_0 +
+        B\theta` and :math:`\Lambda(\theta) = E(\theta)\Lambda_0 E(\theta)`, :math:`E(\theta) =
+        \mathrm{diag}(e^{C\theta})` (for calls without the observations)."""
+        ref = self._state("ref_mean") if self._global_level is not None else None
+        for name, (info, natural, slopes) in made.items():
+            level = self._level_of[name]
+            ndim = len(level.batch_shape)
+            parts = [info, natural]
+            if slopes is not None:
+                natural = natural - (slopes[0] @ ref.unsqueeze(-1)).squeeze(-1)
+                e = (-(slopes[1] @ ref.unsqueeze(-1)).squeeze(-1)).exp()
+                info = e * info * e if info.dim() == natural.dim() else e.unsqueeze(-1) * info * e.unsqueeze(-2)
+                parts = [info, natural, *slopes]
+            parts.append(torch.ones_like(natural[..., :1]))  # seen
+            if name not in self._data_tables:
+                self._data_tables[name] = [t.new_zeros(level.batch_shape + t.shape[ndim:]) for t in parts]
+            axes = self._element_axes(name, calls, ndim)
+            for full, part in zip(self._data_tables[name], parts, strict=True):
+                _scatter_elements(full, axes, part.expand(_element_shape(full, axes, ndim) + part.shape[ndim:]))
+
+    def _from_data_tables(self, calls: dict) -> dict:
+        """The pseudo-observations of this call's elements from their last data (none for elements never seen with
+        data: their q0 is then the prior conditional), at the current reference."""
+        ref = self._state("ref_mean") if self._global_level is not None else None
+        made = {}
+        for name in self._expanded_sites:
+            if name not in self._data_tables:
+                raise StructureError(
+                    f"site '{name}': the observed sites are not observed in this call and the guide has not seen "
+                    "their data yet: call the guide (or train it) on the data first"
+                )
+            level = self._level_of[name]
+            ndim = len(level.batch_shape)
+            axes = self._element_axes(name, calls, ndim)
+            parts = [_gather_elements(t, axes) for t in self._data_tables[name]]
+            info, natural = parts[0], parts[1]
+            slopes = None
+            if len(parts) == 5:
+                slopes = (parts[2], parts[3])
+                natural = natural + (slopes[0] @ ref.unsqueeze(-1)).squeeze(-1)
+                e = (slopes[1] @ ref.unsqueeze(-1)).squeeze(-1).exp()
+                info = e * info * e if info.dim() == natural.dim() else e.unsqueeze(-1) * info * e.unsqueeze(-2)
+            made[name] = (info, natural, slopes)
+        return made
+
+    @torch.no_grad()
+    def _expand(self, args: tuple, kwargs: dict, calls: dict) -> dict:
+        r"""The model's pseudo-observation of each expanded site: the second-order expansion of the rest of the model
+        (its likelihood) at the reference — the globals at ``ref_mean``, the plated sites at their prior conditional's
+        mean there (:func:`~pyro_hier.conjugate.element_expansion`) — as a Gaussian potential
+        :math:`ar\Lambda_i = F_i`, :math:`ar\eta_i = F_i c_i + g_i` (the likelihood itself where it is Gaussian in
+        the site), with the slopes of :math:`\eta` and of :math:`\log\sqrt{\mathrm{diag}\,\Lambda}` on the globals
+        read by central differences at ``ref_sd`` (:data:`~pyro_hier.guides.branch.SLOPE_NODES` of them where the
+        likelihood is quadratic in the site, else :data:`~pyro_hier.guides.branch.DERIVATIVE_STEP`), as
+        :class:`~pyro_hier.AutoBranchGuide` and :class:`~pyro_hier.AutoAmortizedBranchGuide` read them."""
+        assert self.structure is not None
+        s = self.structure
+        subsamples = {name: call.indices for name, call in calls.items()}
+        glob = self._global_level
+        ref_mean = self._state("ref_mean") if glob is not None else None
+        ref_sd = self._state("ref_sd") if glob is not None else None
+        values = self._global_values(ref_mean) if glob is not None else {}
+        centres: dict[str, torch.Tensor] = {}
+        priors: dict[str, GaussianPrior] = {}
+        for level in self.levels:
+            if not level.plates:
+                continue
+            fns, _ = capture_priors(self.model, args, kwargs, values, level.sites, subsamples)
+            for name in level.sites:
+                site = s.latent[name]
+                prior = gaussian_prior(fns[name], site.support) if name in self._conjugate_sites else None
+                if prior is not None:
+                    priors[name] = prior
+                    u = prior.loc
+                else:  # the median of a few prior draws
+                    fn = fns[name]
+                    draws = biject_to(site.support).inv(fn.sample((15,)))
+                    u = draws.median(0).values.reshape((*fn.batch_shape, -1))
+                centres[name] = u
+                values[name] = self._site_value(name, u)
+        observed = [n for n, site in s.observed.items() if not is_factor(site.fn)]
+        made = {}
+        for name in self._expanded_sites:
+            site = s.latent[name]
+            level = self._level_of[name]
+            scale = math.prod(s.plates[p].size for p in level.plates) / max(
+                1, math.prod(int(calls[p].indices.shape[0]) for p in level.plates)
+            )
+
+            def expand(at: dict, u: torch.Tensor, name: str = name, scale: float = scale) -> tuple:
+                return element_expansion(
+                    self.model,
+                    args,
+                    kwargs,
+                    at,
+                    u,
+                    lambda v: {name: self._site_value(name, v)},
+                    scale,
+                    subsamples,
+                    observed=observed,
+                )
+
+            centre = centres[name]
+            gradient, curvature = expand(values, centre)
+            diagonal = site.element_numel == 1
+            prior = priors[name]
+            p0 = prior.precision if prior.diagonal else prior.precision.diagonal(dim1=-2, dim2=-1)
+            floor = CURVATURE_FLOOR * p0
+
+            if diagonal:
+                info = curvature.diagonal(dim1=-2, dim2=-1).clamp(min=0.0)
+                natural = info * centre + gradient
+            else:
+                info = psd_part(curvature)
+                natural = (info @ centre.unsqueeze(-1)).squeeze(-1) + gradient
+            slopes = None
+            if glob is not None and glob.numel:
+                moved = expand(values, centre + 1.0)[1]
+                tolerance = 1e-6 * float(curvature.abs().max()) + 1e-12
+                quadratic = bool(torch.allclose(moved, curvature, rtol=1e-4, atol=tolerance))
+                nodes = SLOPE_NODES if quadratic else DERIVATIVE_STEP
+                width = ref_sd * nodes
+                targets, logs = [], []
+                for k in range(glob.numel):
+                    pair = []
+                    for sign in (1.0, -1.0):
+                        shifted = ref_mean.clone()
+                        shifted[..., k] += sign * width[..., k]
+                        g, f = expand({**values, **self._global_values(shifted)}, centre)
+                        diag = f.diagonal(dim1=-2, dim2=-1)
+                        nat = diag * centre + g if diagonal else (f @ centre.unsqueeze(-1)).squeeze(-1) + g
+                        pair.append((nat, diag.clamp(min=floor).log()))
+                    targets.append((pair[0][0] - pair[1][0]) / (2 * width[..., k]))
+                    logs.append((pair[0][1] - pair[1][1]) / (4 * width[..., k]))  # log √Λ: half the log precision
+                slopes = (torch.stack(targets, -1), torch.stack(logs, -1))
+            made[name] = (info, natural, slopes)
+        return made
+
+    def _attach_hook(self) -> None:
+        """Hook (once per tensor: again after unpickling or loading) the tail average onto the gradient accumulation of
+        one parameter that every training call reaches (the first site's free shift): it follows any training loop."""
+        if self.tail_average is None:
+            return
+        leaf = next(iter(self._modules["site_affines"].parameters()))
+        if (self._hooked is not None and self._hooked() is leaf) or not leaf.requires_grad:
+            return
+        self._hooked = weakref.ref(leaf)
+        self._average_pairs = ()  # found again for the new tensors
+        self._pairs()
+        guide = weakref.ref(self)
+        leaf.register_post_accumulate_grad_hook(lambda t, guide=guide: _average_hook(guide))
+
+    @torch.no_grad()
+    def _after_backward(self) -> None:
+        """A training call's gradient has reached the parameters (the optimiser has not stepped yet): add their values
+        to the tail average. (The state is read as the raw tensors: this runs inside the step's backward pass, where
+        reading a ``PyroParam`` would be recorded by ``SVI``'s parameter capture.)"""
+        averages = self._modules["averages"]
+        count = averages.get_parameter("count_unconstrained")
+        count.add_(1)
+        tail_average_update(*self._pairs(), int(count), self.tail_average)
+
+    def _pairs(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """``(averages, live parameters)`` as raw tensors, found once (again when the live tensors were replaced,
+        e.g. by ``pyro.get_param_store().load``; the averages are then read through Pyro, which adopts the store's)."""
+        leaf = next(iter(self._modules["site_affines"].parameters()))
+        if not self._average_pairs or self._average_pairs[0] is not leaf:
+            averages = self._modules["averages"]
+            live = self._trainable()
+            for key in live:
+                getattr(averages, key)
+            raw = [averages.get_parameter(f"{key}_unconstrained") for key in live]
+            self._average_pairs = (leaf, tuple(raw), tuple(live.values()))
+        return self._average_pairs[1:]
+
+    def _use_average(self) -> bool:
+        """Outside training (``Predictive``, ``median``, ``quantiles``, any call without gradients) the guide uses the
+        tail average of its parameters instead of the last iterate, once there is one."""
+        if self.tail_average is None or torch.is_grad_enabled():
+            return False
+        averages = self._modules.get("averages")
+        return averages is not None and "count" in averages._pyro_params and float(averages.count) > 0
+
+    @contextmanager
+    def _parameters_in_use(self) -> Iterator[None]:
+        """The parameters as this call uses them: the tail average outside training (see :meth:`_use_average`),
+        swapped in for the call and back after it."""
+        if not self._use_average():
+            yield
+            return
+        averages, live = self._pairs()
+        saved = [param.data for param in live]
+        try:
+            for average, param in zip(averages, live, strict=True):
+                param.data = average.data
+            yield
+        finally:
+            for param, data in zip(live, saved, strict=True):
+                param.data = data
+
     def _covariates(self, args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
         assert self.structure is not None
         return call_local_features(self.local_features, args, kwargs, list(self.structure.observed))
@@ -404,16 +865,22 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         if self.encoder_kind == "deepset":
             data = self._site_data(args, kwargs, calls, observations, covariates, gathers)
         forced = {**{name: call.indices for name, call in (calls or {}).items()}, **forced}
-        self._register_networks()
-        cascade = _Cascade(self, observations, covariates, gathers, data, forced)
 
         def hidden(msg: dict) -> bool:
             if isinstance(msg["fn"], _Subsample):
                 return msg["name"] in listed
             return _hidden(msg) or msg["name"] in self.structure.observed  # observed at setup, left out now
 
-        with poutine.block(hide_fn=hidden), cascade:
-            self.user_model(*args, **kwargs)  # the cascade runs the model itself, without the init strategy
+        expansions = self._expansions_for_call(args, kwargs, forced, calls)
+        with self._parameters_in_use():
+            self._register_networks()
+            if torch.is_grad_enabled():
+                self._attach_hook()
+            cascade = _Cascade(self, observations, covariates, gathers, data, forced, expansions)
+            with poutine.block(hide_fn=hidden), cascade:
+                self.user_model(*args, **kwargs)  # the cascade runs the model itself, without the init strategy
+        if torch.is_grad_enabled() and self._expanded_sites:
+            self._update_global_moments(cascade)
         missing = [n for n in self.structure.latent if n not in cascade.result]
         if missing:
             raise StructureError(
@@ -421,6 +888,20 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                 "the same latent sites on every call"
             )
         return cascade.result
+
+    @torch.no_grad()
+    def _update_global_moments(self, cascade: _Cascade) -> None:
+        """A training call: its draw of the globals (averaged over particles) updates their running mean and
+        variance (rate :data:`GLOBAL_RATE`), where the next reference is made."""
+        self._write_state("calls", self._state("calls") + 1)
+        glob = self._global_level
+        if glob is None or not glob.numel:
+            return
+        u = cascade.global_vector().detach().reshape(-1, glob.numel).mean(0)
+        mean, var = self._state("global_mean"), self._state("global_var")
+        diff = u - mean
+        self._write_state("global_mean", mean + GLOBAL_RATE * diff)
+        self._write_state("global_var", (1 - GLOBAL_RATE) * (var + GLOBAL_RATE * diff.pow(2)))
 
     def _site_data(self, args, kwargs, calls, observations, covariates, gathers) -> dict[tuple[str, str], SiteData]:
         """Each (observed site, level) pair's data for the deep set: this call's; for gathered sites whose rows in
@@ -506,7 +987,17 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         context = torch.cat([p.expand(batch + p.shape[-1:]) for p in parts], dim=-1)
         flat = torch.Size((n,))
         reshape = event_u != flat
-        if site.reparameterized:  # the prior conditional, flattened in unconstrained space
+        standardise: list[Transform] = []
+        if name in self._conjugate_sites:  # q0 = the prior conditional times the model's pseudo-observation
+            loc0, scale0 = self._conditional_q0(name, base, cascade)
+            batch = torch.broadcast_shapes(batch, loc0.shape[:-1])
+            base = dist.Normal(context.new_zeros(batch + flat), 1.0).to_event(1)
+            head = []
+            if scale0.dim() == loc0.dim():
+                standardise = [AffineTransform(loc0, scale0, event_dim=1)]
+            else:
+                standardise = [_CholeskyAffine(loc0, scale0)]
+        elif site.reparameterized:  # the prior conditional, flattened in unconstrained space
             if base.batch_shape != batch:
                 base = base.expand(batch)
             head = [to_support.inv] + ([ReshapeTransform(event_u, flat)] if reshape else [])
@@ -516,14 +1007,16 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         tap = _Tap()
 
         def push_forward(flow: nn.Module, affine: FreeAffine, context: torch.Tensor) -> dist.TorchDistribution:
-            transforms = [*head, tap, flow.condition(context), affine.transform()]
+            transforms = [*head, tap, flow.condition(context), affine.transform(), *standardise]
             transforms += [ReshapeTransform(flat, event_u)] if reshape else []
             transforms.append(to_support)
             return dist.TransformedDistribution(base, transforms)
 
         key = self._keys[name]
+        if context.shape[:-1] != batch:
+            context = context.expand(batch + context.shape[-1:])
         q = push_forward(self._modules["flows"][key], self._modules["site_affines"][key], context)
-        maps = _SiteMaps(q.transforms, tap, n)
+        maps = _SiteMaps(q.transforms, tap, n, to_support, event_u)
         if self.stick_the_landing:
             assert self._detached_flows is not None
             for i in range(len(encodings)):  # encodings are variational parameters; the ancestors' values are not
@@ -532,6 +1025,40 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             twin = self._detached_flows[0]
             q = StickingTheLanding(q, push_forward(twin["flows"][key], twin["affines"][key], context))
         return q, maps
+
+    def _conditional_q0(
+        self, name: str, fn: dist.TorchDistribution, cascade: _Cascade
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        r"""``(loc, scale)`` of a conjugate site's :math:`q_0` on this call (flattened unconstrained space; ``scale``
+        the sd ``(…, n)`` or a lower Cholesky factor ``(…, n, n)``): its prior conditional ``fn`` at the parents' draws
+        times the model's pseudo-observation (expanded sites), moved to the globals' draw :math:`\theta` along its
+        slopes: :math:`\eta(\theta) = \bar\eta + B(\theta - \bar\theta)`, :math:`\Lambda(\theta) =
+        E\bar\Lambda E`, :math:`E = \mathrm{diag}(e^{C(\theta - \bar\theta)})`."""
+        assert self.structure is not None
+        prior = gaussian_prior(fn, fn.support)
+        if prior is None:
+            raise StructureError(
+                f"site '{name}' had a Gaussian prior conditional when the guide was built and has "
+                f"{type(fn).__name__} in this call; the conjugate conditional needs the same family (or build the "
+                "guide with conditional='pushforward')"
+            )
+        expansion = cascade.expansions.get(name)
+        if expansion is None:
+            if prior.diagonal:
+                return prior.loc, prior.precision.rsqrt()
+            return prior.loc, precision_to_scale_tril(prior.precision)
+        info, natural, slopes = expansion
+        diagonal = info.dim() == natural.dim()
+        if slopes is not None:
+            delta = (cascade.global_vector() - self._state("ref_mean")).unsqueeze(-1)
+            natural = natural + (slopes[0] @ delta).squeeze(-1)
+            # (e^{±15} ≈ 3e6: a draw that far from the reference, early in a run, must not overflow float32)
+            stretch = (slopes[1] @ delta).squeeze(-1).clamp(-STRETCH_LIMIT, STRETCH_LIMIT).exp()
+            if diagonal:
+                info = stretch * info * stretch
+            else:
+                info = stretch.unsqueeze(-1) * info * stretch.unsqueeze(-2)
+        return gaussian_update(prior, info, natural)
 
     def _ancestor_view(self, level, ancestor: str, x: torch.Tensor, cascade: _Cascade) -> torch.Tensor:
         """An ancestor's base sample or encoding ``(…, k)`` as the level's elements see it: read at each element's
@@ -545,7 +1072,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         if self.encoder_kind == "free":
             return encoder(level, cascade.calls)
         if level not in cascade.encodings:
-            dtype = next(iter(self._modules["flows"].parameters())).dtype
+            dtype = next(iter(self._modules["site_affines"].parameters())).dtype
             cascade.encodings[level] = encoder(level, lambda site, lv: cascade.data[(site, lv)], cascade.calls, dtype)
         return cascade.encodings[level]
 
@@ -572,12 +1099,45 @@ class _Tap(Transform):
         return x.new_zeros(x.shape[:-1])
 
 
+class _CholeskyAffine(Transform):
+    """``x ↦ loc + L x`` on vectors, ``L`` lower triangular with a positive diagonal, both batched (Pyro's
+    ``LowerCholeskyAffine`` takes one ``L``)."""
+
+    domain = constraints.real_vector
+    codomain = constraints.real_vector
+    bijective = True
+
+    def __init__(self, loc: torch.Tensor, scale_tril: torch.Tensor) -> None:
+        super().__init__(cache_size=1)
+        self.loc, self.scale_tril = loc, scale_tril
+
+    def _call(self, x: torch.Tensor) -> torch.Tensor:
+        return self.loc + (self.scale_tril @ x.unsqueeze(-1)).squeeze(-1)
+
+    def _inverse(self, y: torch.Tensor) -> torch.Tensor:
+        batch = torch.broadcast_shapes(self.scale_tril.shape[:-2], y.shape[:-1], self.loc.shape[:-1])
+        d = y.shape[-1]
+        tril = self.scale_tril.expand((*batch, d, d))
+        r = (y - self.loc).expand((*batch, d)).unsqueeze(-1)
+        return torch.linalg.solve_triangular(tril, r, upper=False).squeeze(-1)
+
+    def log_abs_det_jacobian(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logdet = self.scale_tril.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+        return logdet.expand(torch.broadcast_shapes(logdet.shape, x.shape[:-1]))
+
+
 class _SiteMaps:
     """Maps a site's sampled value back to the flow's base space: the prior sample it was pushed from, in
     unconstrained space and flattened, which is what its descendants see in their contexts."""
 
-    def __init__(self, transforms: list, tap: _Tap, numel: int) -> None:
+    def __init__(self, transforms: list, tap: _Tap, numel: int, to_support: Transform, event_u: torch.Size) -> None:
         self.transforms, self.tap, self.numel = transforms, tap, numel
+        self.to_support, self.event_u = to_support, event_u
+
+    def unconstrained(self, value: torch.Tensor) -> torch.Tensor:
+        """The value in unconstrained space, flattened ``(…, n)`` (the draw's own tensor when it was drawn here)."""
+        z = self.to_support.inv(value)
+        return z.reshape((*z.shape[: z.dim() - len(self.event_u)], self.numel))
 
     def base_value(self, value: torch.Tensor) -> torch.Tensor:
         if self.tap.seen is not None:  # drawn by this site's rsample (a fresh tap per call): the exact base sample
@@ -593,9 +1153,13 @@ class _SiteMaps:
 class _Cascade(PlateRecorder):
     """Runs inside the model: replaces each latent site's prior by the guide's flow, records plates and values."""
 
-    def __init__(self, guide: AutoPlateAmortizedFlow, observations, covariates, gathers, data, forced) -> None:
+    def __init__(
+        self, guide: AutoPlateAmortizedFlow, observations, covariates, gathers, data, forced, expansions=None
+    ) -> None:
         super().__init__()
         self.guide = guide
+        self.expansions = expansions or {}
+        self.unconstrained: dict[str, torch.Tensor] = {}
         self.observations = observations
         self.covariates = covariates
         self.gathers = gathers
@@ -624,6 +1188,47 @@ class _Cascade(PlateRecorder):
             return
         self.result[name] = msg["value"]
         self.base_values[name] = self._maps[name].base_value(msg["value"])
+        glob = self.guide._global_level
+        if glob is not None and name in glob.sites:
+            self.unconstrained[name] = self._maps[name].unconstrained(msg["value"])
+
+    def global_vector(self) -> torch.Tensor:
+        """The globals' draw on this call as one unconstrained vector ``(…, d_g)`` (sites in model order)."""
+        glob = self.guide._global_level
+        assert glob is not None
+        return concat_broadcast([self.unconstrained[n] for n in glob.sites])
+
+
+def _element_shape(full: torch.Tensor, axes: list[tuple[int, torch.Tensor]], ndim: int) -> torch.Size:
+    """The batch shape (first ``ndim`` dims) of ``full`` cut to the indices of ``axes``."""
+    shape = list(full.shape[:ndim])
+    for axis, idx in axes:
+        shape[axis] = idx.shape[0]
+    return torch.Size(shape)
+
+
+def _gather_elements(full: torch.Tensor, axes: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    for axis, idx in axes:
+        full = full.index_select(axis, idx.to(full.device))
+    return full
+
+
+def _scatter_elements(full: torch.Tensor, axes: list[tuple[int, torch.Tensor]], part: torch.Tensor) -> None:
+    """``full[idx_1, …, idx_k] = part`` along the axes given (one index vector per axis), in place."""
+    if not axes:
+        full.copy_(part)
+        return
+    (axis, idx), rest = axes[0], axes[1:]
+    idx = idx.to(full.device)
+    inner = full.index_select(axis, idx)
+    _scatter_elements(inner, rest, part)
+    full.index_copy_(axis, idx, inner)
+
+
+def _average_hook(guide: weakref.ref) -> None:
+    live = guide()
+    if live is not None:
+        live._after_backward()
 
 
 def _force_subsample(msg: dict, forced: dict[str, torch.Tensor]) -> None:

@@ -445,8 +445,9 @@ def test_init_loc_fn_and_init_scale_set_the_start(name):
     # its draws' Monte Carlo error; its spread is the prior's here, not init_scale
     conjugate = name.startswith("branch")
     # the amortized guide's conjugate level starts at its prior N(0, 1) (the likelihood's expansion and the networks'
-    # potentials of all-zero features are nearly nothing): its median at 0, within its draws' Monte Carlo error
-    amortized_conjugate = name in AMORTIZED_CONJUGATE
+    # potentials of all-zero features are nearly nothing): its median at 0, within its draws' Monte Carlo error; so
+    # does PAVI's conjugate site (its q0: the prior conditional times the likelihood's expansion, nearly nothing here)
+    amortized_conjugate = name in AMORTIZED_CONJUGATE or name.startswith("pavi")
     for label, strategy in STRATEGIES.items():
         pyro.clear_param_store()
         pyro.set_rng_seed(0)
@@ -484,7 +485,10 @@ def test_scales_move_tenfold_up_and_down_alike_under_jit(name):
     centre (within the current sd). benchmarks/scale_steps.py counts the steps to the targets."""
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
-    guide = GUIDES[name](prior_model, init_scale=0.1)
+    # PAVI's default feeds each flow its ancestors' base samples, whose linear path widens the later site's marginal
+    # in the first steps (narrow: 0.095 -> 0.28 after these 10 steps); the positive map is checked on PAVI's own form
+    kw = {"condition_on_ancestors": False} if name.startswith("pavi") else {}
+    guide = GUIDES[name](prior_model, init_scale=0.1, **kw)
     guide()
 
     def sds() -> dict[str, float]:

@@ -68,7 +68,12 @@ def test_radon_posterior_means_within_a_quarter_reference_sd():
 
     p = radon_mn(prior="uniform", dtype=torch.float32)
     guide = AutoPlateAmortizedFlow(
-        p.model, encoding_size=8, flow="affine", condition_on_ancestors=False, stick_the_landing=True
+        p.model,
+        encoding_size=8,
+        flow="affine",
+        condition_on_ancestors=False,
+        conditional="pushforward",
+        stick_the_landing=True,
     )
     pyro.set_rng_seed(0)
     steps = RADON_STEPS
@@ -146,6 +151,37 @@ def test_deepset_reduced_plates_with_many_groups():
 
 
 # ---- parameters ---------------------------------------------------------------------------------------------------
+def test_calls_without_gradients_use_the_tail_average():
+    """Training calls feed a tail average of the parameters (from a gradient hook); calls without gradients draw from
+    the guide with the averaged parameters, and leave the last iterate in place for training."""
+    p = gaussian_random_effects(num_groups=5, num_obs=10, dim=2)
+    pyro.clear_param_store()
+    guide = AutoPlateAmortizedFlow(p.model)
+    pyro.set_rng_seed(0)
+    svi = SVI(p.model, guide, pyro.optim.Adam({"lr": 0.05}), Trace_ELBO())
+    for _ in range(30):
+        svi.step(*p.args, **p.kwargs)
+    assert float(guide.averages.count) == 30
+    live = {k: v.detach().clone() for k, v in guide._trainable().items()}
+    with torch.no_grad():
+        pyro.set_rng_seed(1)
+        draw = guide(*p.args, **p.kwargs)
+        for key, param in guide._trainable().items():  # the last iterate is back
+            assert torch.equal(param, live[key]), key
+        # the same draw from the guide given the averages as its parameters, averaging off
+        for key, param in guide._trainable().items():
+            param.copy_(getattr(guide.averages, key))
+        assert any(not torch.equal(param, live[k]) for k, param in guide._trainable().items())
+        guide.tail_average = None
+        pyro.set_rng_seed(1)
+        expected = guide(*p.args, **p.kwargs)
+    for name in draw:
+        assert torch.allclose(draw[name], expected[name]), name
+    averages = {f"averages.{k}_unconstrained" for k in [*live, "count"]}
+    references = {f"references.{k}_unconstrained" for k in ["global_mean", "global_var", "ref_mean", "ref_sd", "calls"]}
+    assert set(guide.state_parameters()) == averages | references
+
+
 def test_parameter_counts():
     small = gaussian_random_effects(num_groups=20, num_obs=5, dim=2)
     large = gaussian_random_effects(num_groups=20_000, num_obs=5, dim=2)

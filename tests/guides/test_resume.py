@@ -8,7 +8,7 @@ import pytest
 import torch
 from pyro.infer import SVI, Trace_ELBO
 
-from pyro_hier import AutoAmortizedBranchGuide, AutoBranchGuide
+from pyro_hier import AutoAmortizedBranchGuide, AutoBranchGuide, AutoPlateAmortizedFlow
 from pyro_hier.problems import synthetic_regression
 
 MAKERS = {
@@ -17,6 +17,7 @@ MAKERS = {
     "amortized": lambda p: AutoAmortizedBranchGuide(
         p.model, local_features=p.local_features, feature_net=(16, 8), param_net=(32,)
     ),
+    "pavi": lambda p: AutoPlateAmortizedFlow(p.model),  # its tail average is state and resumes too
 }
 
 
