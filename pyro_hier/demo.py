@@ -27,8 +27,11 @@ from pyro_hier.infer import MPImportance, TensorTooLargeError
 from pyro_hier.optim import IterateAverage
 from pyro_hier.problems import Problem
 
-__all__ = ["DEMO_GUIDES", "FitResult", "fit_guide", "run_demo"]
+__all__ = ["DEMO_GUIDES", "DEMO_RATE", "FitResult", "fit_guide", "run_demo"]
 
+#: The demo's one initial learning rate (ClippedAdam, decaying fiftyfold over the run), the same for every guide: the
+#: rate of the drop-in benchmark's loop (``benchmarks/dropin.py``)
+DEMO_RATE = 0.01
 #: Guides the demo compares, each with its defaults (``Guide(model)``, as a user swapping ``AutoNormal`` writes it),
 #: Pyro's own guides beside them: name → ``factory(problem) -> guide``. Every guide gets the same optimiser and rate.
 DEMO_GUIDES: dict[str, Callable] = {
@@ -271,7 +274,7 @@ def run_demo(
 
     guides = DEMO_GUIDES if guides is None else guides
     results = []
-    evidence_lines, skipped = [], []
+    evidence_lines, skipped, failed = [], [], []
     for label, problem in demo_problems(quick).items():
         best = None
         for name, make_guide in guides.items():
@@ -284,14 +287,14 @@ def run_demo(
 
                 try:
                     guide, losses, seconds = fit_guide(
-                        problem,
-                        make_guide,
-                        steps=steps,
-                        progress=progress,
+                        problem, make_guide, steps=steps, lr=DEMO_RATE, progress=progress
                     )
                 except StructureError as e:  # the model lacks what this guide needs (e.g. nested observations)
                     # (Pyro appends the trace's shapes to errors raised under a trace: keep the message itself)
                     skipped.append(f"{label} · {name}: not applicable: {str(e).splitlines()[0]}")
+                    continue
+                except (FloatingPointError, ValueError) as e:  # a guide that fails is shown failing, not dropped
+                    failed.append(f"{label} · {name}: FAILED: {str(e).splitlines()[0]}")
                     continue
             results.append(_evaluate(label, problem, name, guide, losses, seconds))
             if best is None or results[-1].elbo > best[0].elbo:
@@ -303,7 +306,7 @@ def run_demo(
                     best = (results[-1], line)
         evidence_lines.append(best[1])
     print(format_table(results))
-    print("\n".join(evidence_lines + skipped))
+    print("\n".join(evidence_lines + skipped + failed))
     plot_traces(results, out)
     print(f"ELBO traces written to {out}")
     return results
