@@ -9,7 +9,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m pyro_hier", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="fit guides to problems with known answers and print a comparison table")
-    demo.add_argument("--steps", type=int, default=1500, help="optimisation steps per guide (default 1500)")
+    demo.add_argument("--steps", type=int, default=5000, help="optimisation steps per guide (default 5000)")
     demo.add_argument("--out", default="pyro_hier_demo.png", help="where to write the ELBO-trace plot")
     demo.add_argument("--quick", action="store_true", help="a small problem and few steps, for smoke tests")
     demo.add_argument(
