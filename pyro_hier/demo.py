@@ -2,9 +2,9 @@
 
 Two problems: Agrawal & Domke's synthetic hierarchical regression, whose log evidence and posterior are exact, and
 Minnesota radon (real data), compared with a long NUTS reference. Every guide in :data:`DEMO_GUIDES`, built with its
-defaults, is fitted in the same loop, the one a user keeps when swapping ``AutoNormal`` for it (:data:`DEMO_RATE`); the table reports the final ELBO (with its Monte Carlo standard error), the
-gap to the exact log evidence, the largest posterior-mean error in reference standard deviations, seconds and
-parameter count. A PNG shows the ELBO traces.
+defaults, is fitted in the same loop, the one a user keeps when swapping ``AutoNormal`` for it (:data:`DEMO_RATE`);
+the table reports the final ELBO (with its Monte Carlo standard error), the gap to the exact log evidence, the largest
+posterior-mean error in reference standard deviations, seconds and parameter count. A PNG shows the ELBO traces.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from pyro_hier.distributions import StickingTheLanding
 from pyro_hier.encoders import DeepSetEncoder, FreeEncoding, FrozenPositions, SiteData
 from pyro_hier.errors import StructureError
 from pyro_hier.flows import FreeAffine, make_flow
-from pyro_hier.gather_maps import GatherMaps
+from pyro_hier.gather_maps import GatherMaps, full_data_call
 from pyro_hier.gathers import keep_random_state
 from pyro_hier.guides.base import HierarchicalGuide, concat_broadcast, empirical_quantiles, parameter_keys
 from pyro_hier.guides.branch import CURVATURE_FLOOR, DERIVATIVE_STEP, SLOPE_NODES
@@ -608,14 +608,18 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             self._write_state("ref_mean", self._state("global_mean"))
             self._write_state("ref_sd", self._state("global_var").clamp(min=1e-12).sqrt())
             self._write_state("calls", torch.zeros(()))
-        key = self._call_key(args, kwargs, calls if self.structure.subsampled_plates else None)
+        reference = ()
         if self._global_level is not None:  # the reference is part of the key (a new one, or a loaded state)
-            key += tuple(self._state("ref_mean").tolist()) + tuple(self._state("ref_sd").tolist())
+            reference = tuple(self._state("ref_mean").tolist()) + tuple(self._state("ref_sd").tolist())
+        key = self._call_key(args, kwargs, calls if self.structure.subsampled_plates else None) + reference
         if self._expansion is not None and self._expansion[0] == key:
             return self._expansion[1]
         if calls is None:
             with keep_random_state():
                 calls = capture_plates(_ForceSubsamples(forced)(self.model), args, kwargs)
+        subsampled = [c for c in calls.values() if c.subsampled]
+        if subsampled and all(c.user_indices for c in subsampled):
+            return self._minibatch_expansions(args, kwargs, calls, reference)
         try:
             with keep_random_state():
                 made = self._expand(args, kwargs, calls)
@@ -631,6 +635,34 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             self._to_data_tables(made, calls)
         self._expansion = (key, made)
         return made
+
+    def _minibatch_expansions(self, args: tuple, kwargs: dict, calls: dict, reference: tuple) -> dict:
+        """A minibatch's pseudo-observations: each element's, read from the model's call on *all* the data (kept
+        while those arguments and the reference are the same), so that an element's q does not depend on which
+        others are in the minibatch and the minibatch ELBO stays unbiased. (Plates that Pyro subsamples at random,
+        ``subsample_size=`` without indices from the caller, cannot be reopened in full here: their elements are
+        expanded from the minibatch's own data, which makes q depend on the minibatch; pass the indices, e.g.
+        ``subsample=idx``, to avoid it.)"""
+        full_args, full_kwargs, forced = full_data_call(self.model, args, kwargs, calls)
+        key = ("all data", *self._call_key(full_args, full_kwargs, None), *reference)
+        if self._expansion is None or self._expansion[0] != key:
+            with keep_random_state():
+                full_calls = capture_plates(_ForceSubsamples(forced)(self.model), full_args, full_kwargs)
+            try:
+                with keep_random_state():
+                    made = self._expand(full_args, full_kwargs, full_calls)
+            except Unobserved:  # the observations omitted: each element's last data (below)
+                made = None
+            else:
+                self._to_data_tables(made, full_calls)
+            self._expansion = (key, made)
+        if not self._data_tables:
+            raise StructureError(
+                "the observed sites are not observed in this call (observations omitted, as in "
+                "Predictive(model, guide=guide) with obs=None) and the guide has not been called with its data "
+                "yet: call the guide (or train it) on the data first"
+            )
+        return self._from_data_tables(calls)
 
     def _element_axes(self, name: str, calls: dict, ndim: int) -> list[tuple[int, torch.Tensor]]:
         """``(axis, indices)`` of a site's plates in a table whose batch has ``ndim`` dims."""
@@ -872,8 +904,9 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             return _hidden(msg) or msg["name"] in self.structure.observed  # observed at setup, left out now
 
         expansions = self._expansions_for_call(args, kwargs, forced, calls)
+        # adopt the param store's tensors first, then swap the average into the tensors this call uses
+        self._register_networks()
         with self._parameters_in_use():
-            self._register_networks()
             if torch.is_grad_enabled():
                 self._attach_hook()
             cascade = _Cascade(self, observations, covariates, gathers, data, forced, expansions)
