@@ -79,6 +79,7 @@ __all__ = [
     "newton_mean",
     "precision_to_scale_tril",
     "psd_part",
+    "pseudo_observation",
     "rebase",
 ]
 
@@ -182,6 +183,21 @@ def psd_part(matrix: torch.Tensor) -> torch.Tensor:
         return sym.clamp(min=0.0)
     values, vectors = torch.linalg.eigh(sym)
     return (vectors * values.clamp(min=0.0).unsqueeze(-2)) @ vectors.mT
+
+
+def pseudo_observation(
+    gradient: torch.Tensor, curvature: torch.Tensor, centre: torch.Tensor, diagonal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""The Gaussian potential of a second-order expansion of the rest of the model at ``centre`` :math:`c`, with
+    gradient :math:`g` and curvature :math:`F` (minus the Hessian): precision :math:`\Lambda = F_+` (its
+    positive semi-definite part, :func:`psd_part`; the clamped diagonal when ``diagonal``) and natural parameter
+    :math:`\eta = \Lambda c + g`, so that :math:`\log p \approx \eta^\top u - \tfrac12 u^\top \Lambda u` near
+    :math:`c`. Returns ``(precision, natural)``: ``(…, d, d)`` and ``(…, d)``, or ``(…, d)`` twice when ``diagonal``."""
+    if diagonal:
+        info = curvature.diagonal(dim1=-2, dim2=-1).clamp(min=0.0)
+        return info, info * centre + gradient
+    info = psd_part(curvature)
+    return info, (info @ centre.unsqueeze(-1)).squeeze(-1) + gradient
 
 
 # ---- running the model ----------------------------------------------------------------------------------------------

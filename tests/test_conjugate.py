@@ -19,6 +19,7 @@ from pyro_hier.conjugate import (
     line_searched_mean,
     newton_mean,
     precision_to_scale_tril,
+    pseudo_observation,
     rebase,
 )
 from pyro_hier.optim import tail_average_update
@@ -199,3 +200,22 @@ def test_tail_average_follows_its_recursion_and_refuses_a_bad_fraction():
     assert 14.0 < float(average) < 20.0  # about the last quarter of 1..20, not the mean of all (10.5)
     with pytest.raises(ValueError, match="fraction"):
         tail_average_update(average, values[0], 1, 1.5)
+
+
+def test_pseudo_observation_of_a_gaussian_expansion_is_the_gaussian_at_any_centre():
+    # log p(u) = -½ (u - m)ᵀ A (u - m): gradient -A (c - m) and curvature A at any centre c; the potential is (A, A m)
+    g = torch.Generator().manual_seed(0)
+    b = torch.randn(5, 3, 3, generator=g, dtype=torch.float64)
+    a = b @ b.mT + 0.5 * torch.eye(3, dtype=torch.float64)
+    m, c = torch.randn(5, 3, generator=g, dtype=torch.float64), torch.randn(5, 3, generator=g, dtype=torch.float64)
+    gradient = -(a @ (c - m).unsqueeze(-1)).squeeze(-1)
+    info, natural = pseudo_observation(gradient, a, c, diagonal=False)
+    torch.testing.assert_close(info, a)
+    torch.testing.assert_close(natural, (a @ m.unsqueeze(-1)).squeeze(-1))
+    # one coordinate per element (diagonal), and a curvature that is not log-concave is clamped to zero precision
+    d = torch.tensor([2.0, -1.0], dtype=torch.float64)
+    info, natural = pseudo_observation(
+        torch.tensor([0.5, 0.3], dtype=torch.float64), torch.diag(d), torch.ones(2, dtype=torch.float64), diagonal=True
+    )
+    torch.testing.assert_close(info, torch.tensor([2.0, 0.0], dtype=torch.float64))
+    torch.testing.assert_close(natural, torch.tensor([2.5, 0.3], dtype=torch.float64))

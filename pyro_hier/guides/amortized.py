@@ -21,7 +21,7 @@ from pyro_hier.conjugate import (
     capture_priors,
     gaussian_update,
     precision_to_scale_tril,
-    psd_part,
+    pseudo_observation,
 )
 from pyro_hier.distributions import StickingTheLanding
 from pyro_hier.errors import StructureError
@@ -849,12 +849,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
 
             centre = centres[name]
             gradient, curvature = expand(values)
-            if self._is_diagonal(level):
-                info = curvature.diagonal(dim1=-2, dim2=-1).clamp(min=0.0)
-                natural = info * centre + gradient
-            else:
-                info = psd_part(curvature)
-                natural = (info @ centre.unsqueeze(-1)).squeeze(-1) + gradient
+            info, natural = pseudo_observation(gradient, curvature, centre, self._is_diagonal(level))
             slopes = None
             nodes = self._slope_nodes(level, curvature, lambda at=values, u=centre, f=expand: f(at, u + 1.0)[1])
             if nodes is not None:

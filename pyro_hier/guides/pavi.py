@@ -29,7 +29,7 @@ from pyro_hier.conjugate import (
     gaussian_prior,
     gaussian_update,
     precision_to_scale_tril,
-    psd_part,
+    pseudo_observation,
 )
 from pyro_hier.distributions import StickingTheLanding
 from pyro_hier.encoders import DeepSetEncoder, FreeEncoding, FrozenPositions, SiteData
@@ -782,12 +782,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             p0 = prior.precision if prior.diagonal else prior.precision.diagonal(dim1=-2, dim2=-1)
             floor = CURVATURE_FLOOR * p0
 
-            if diagonal:
-                info = curvature.diagonal(dim1=-2, dim2=-1).clamp(min=0.0)
-                natural = info * centre + gradient
-            else:
-                info = psd_part(curvature)
-                natural = (info @ centre.unsqueeze(-1)).squeeze(-1) + gradient
+            info, natural = pseudo_observation(gradient, curvature, centre, diagonal)
             slopes = None
             if glob is not None and glob.numel:
                 moved = expand(values, centre + 1.0)[1]
