@@ -73,6 +73,7 @@ __all__ = [
     "conjugate_conditional",
     "element_curvature",
     "element_expansion",
+    "gaussian_log_normaliser",
     "gaussian_prior",
     "gaussian_update",
     "line_searched_mean",
@@ -272,6 +273,7 @@ def element_expansion(
     plate_scale: float,
     subsamples: dict[str, torch.Tensor] | None = None,
     observed: Iterable[str] = (),
+    collapse: Callable[[poutine.Trace], tuple[set[str], torch.Tensor, float]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""The second-order expansion of the rest of the model at each element of a level: the gradient
     :math:`g_i = \partial \log p(\text{everything but the level's own prior}) / \partial u_i` ``(..., d)`` and the
@@ -283,6 +285,11 @@ def element_expansion(
     Hessian-vector products (one per coordinate, all elements at once) give every block. Log densities are weighted by
     each site's scale divided by ``plate_scale`` (the level's plates' subsampling factor): a group's own data count
     once, and an observation plate subsampled on its own is scaled up to the whole.
+
+    ``collapse(trace)``, if given, replaces some sites' log densities by a term of its own: it returns ``(sites,
+    log_z, scale)``, the sites it covers, its log density (any shape, summed) and their scale. A level below this one
+    whose conditional is its prior times a Gaussian pseudo-observation is integrated out this way
+    (:func:`gaussian_log_normaliser`), so the expansion is that of the level's marginal likelihood.
 
     :raises Unobserved: if a site of ``observed`` is sampled, not observed, in this call (its data omitted, as in
         ``Predictive(model, guide=guide)`` with ``obs=None``): the expansion would read a draw as data.
@@ -296,8 +303,12 @@ def element_expansion(
         if missing:
             raise Unobserved(f"the observed site(s) {missing} are not observed in this call")
         total = u.new_zeros(())
+        covered: set[str] = set()
+        if collapse is not None:
+            covered, log_z, scale = collapse(trace)
+            total = total + (log_z * (scale / plate_scale)).sum()
         for name, site in trace.nodes.items():
-            if site["type"] != "sample" or name in own or isinstance(site["fn"], _Subsample):
+            if site["type"] != "sample" or name in own or name in covered or isinstance(site["fn"], _Subsample):
                 continue
             log_p = site["fn"].log_prob(site["value"])
             if site["mask"] is not None and site["mask"] is not True:
@@ -414,6 +425,37 @@ def gaussian_update(
     chol = torch.linalg.cholesky(total)
     loc = torch.cholesky_solve(eta.unsqueeze(-1), chol).squeeze(-1)
     return loc, precision_to_scale_tril(total)
+
+
+def gaussian_log_normaliser(prior: GaussianPrior, precision: torch.Tensor, natural: torch.Tensor) -> torch.Tensor:
+    r"""The log of the integral of a Gaussian pseudo-observation against the prior conditional, one per element:
+
+    .. math::
+
+        \log \int \mathcal N(u;\ m_0, P_0^{-1})\, e^{\eta^\top u - \frac12 u^\top \Lambda u}\, du
+        = \tfrac12 e^\top P^{-1} e - \tfrac12 m_0^\top P_0 m_0 + \tfrac12 \log|P_0| - \tfrac12 \log|P|,
+        \qquad P = P_0 + \Lambda,\ e = P_0 m_0 + \eta,
+
+    with :math:`\Lambda` = ``precision`` (``(..., d, d)``, or its diagonal ``(..., d)``; need not be invertible) and
+    :math:`\eta` = ``natural`` ``(..., d)``. As a function of the prior's mean and precision (of the parents' values)
+    it is the marginal likelihood of the level's elements under the pseudo-observation: the message a conjugate
+    level sends to its parents. For a pseudo-observation :math:`\mathcal N(t;\ u, \Lambda^{-1})` it equals
+    :math:`\log \mathcal N(t;\ m_0, P_0^{-1} + \Lambda^{-1})` up to a constant in :math:`(m_0, P_0)`."""
+    if prior.diagonal and precision.dim() == natural.dim():
+        total = prior.precision + precision
+        e = prior.precision * prior.loc + natural
+        terms = e.pow(2) / total - prior.precision * prior.loc.pow(2) + prior.precision.log() - total.log()
+        return 0.5 * terms.sum(-1)
+    p0 = prior.full_precision()
+    lam = precision if precision.dim() > natural.dim() else torch.diag_embed(precision)
+    p0, lam = torch.broadcast_tensors(p0, lam)
+    chol = torch.linalg.cholesky(p0 + lam)
+    chol0 = torch.linalg.cholesky(p0)
+    e = (p0 @ prior.loc.unsqueeze(-1)).squeeze(-1) + natural
+    white = torch.linalg.solve_triangular(chol, e.unsqueeze(-1), upper=False).squeeze(-1)
+    prior_root = (chol0.mT @ prior.loc.unsqueeze(-1)).squeeze(-1)
+    log_dets = chol0.diagonal(dim1=-2, dim2=-1).log().sum(-1) - chol.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+    return 0.5 * (white.pow(2).sum(-1) - prior_root.pow(2).sum(-1)) + log_dets
 
 
 def _root(fisher_sd: torch.Tensor, factor: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:

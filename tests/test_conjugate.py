@@ -1,7 +1,9 @@
 """pyro_hier.conjugate against closed forms: Gaussian priors read from distributions, the captured prior conditional
 at given parents, the gradient and curvature of a Gaussian likelihood, the conjugate update at its reference, a new
 reference that leaves q unchanged, the Newton start at the exact conditional mean, and the precision-to-covariance
-factor; pyro_hier.optim.tail_average_update against its recursion."""
+factor, the marginal of a pseudo-observation; pyro_hier.optim.tail_average_update against its recursion."""
+
+import math
 
 import pyro
 import pyro.distributions as dist
@@ -15,6 +17,7 @@ from pyro_hier.conjugate import (
     conjugate_conditional,
     element_curvature,
     element_expansion,
+    gaussian_log_normaliser,
     gaussian_prior,
     line_searched_mean,
     newton_mean,
@@ -219,3 +222,26 @@ def test_pseudo_observation_of_a_gaussian_expansion_is_the_gaussian_at_any_centr
     )
     torch.testing.assert_close(info, torch.tensor([2.0, 0.0], dtype=torch.float64))
     torch.testing.assert_close(natural, torch.tensor([2.5, 0.3], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("diagonal", [True, False])
+def test_gaussian_log_normaliser_is_the_marginal_of_the_pseudo_observation(diagonal):
+    """∫ N(u; m, P0⁻¹) N(t; u, Λ⁻¹) du = N(t; m, P0⁻¹ + Λ⁻¹): the log normaliser of the natural-form potential
+    (η = Λt) plus the potential's own constant −½tᵀΛt + ½log|Λ/2π|."""
+    gen = torch.Generator().manual_seed(0)
+    d, batch = 3, 4
+    m, t = torch.randn(batch, d, generator=gen, dtype=torch.float64), torch.randn(batch, d, generator=gen).double()
+    if diagonal:
+        p0 = torch.rand(batch, d, generator=gen, dtype=torch.float64) + 0.5
+        lam = torch.rand(batch, d, generator=gen, dtype=torch.float64) + 0.1
+        cov, eta, log_det = torch.diag_embed(1 / p0 + 1 / lam), lam * t, lam.log().sum(-1)
+        quad = (lam * t * t).sum(-1)
+    else:
+        a, b = torch.randn(2, batch, d, d, generator=gen, dtype=torch.float64)
+        p0, lam = a @ a.mT + torch.eye(d), b @ b.mT + 0.1 * torch.eye(d)
+        cov, eta = torch.linalg.inv(p0) + torch.linalg.inv(lam), (lam @ t.unsqueeze(-1)).squeeze(-1)
+        log_det, quad = torch.logdet(lam), (t * eta).sum(-1)
+    log_z = gaussian_log_normaliser(GaussianPrior(m, p0), lam, eta)
+    got = log_z - 0.5 * quad + 0.5 * log_det - 0.5 * d * math.log(2 * math.pi)
+    want = torch.distributions.MultivariateNormal(m, cov).log_prob(t)
+    torch.testing.assert_close(got, want)

@@ -19,6 +19,7 @@ from torch.distributions import constraints
 from pyro_hier.conjugate import (
     Unobserved,
     capture_priors,
+    gaussian_log_normaliser,
     gaussian_update,
     precision_to_scale_tril,
     pseudo_observation,
@@ -370,11 +371,16 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             and self.conditional_form == "conjugate"
             and self._gaussian_given_parents(level, structure)
         )
-        #: conjugate levels that no other level descends from: their pseudo-observation starts from the model's own
-        #: Gaussian expansion of their likelihood (exact for a Gaussian likelihood)
-        self.expanded_levels: tuple[str, ...] = tuple(
-            name for name in self.prior_levels if self.expansion and not any(name in lv.ancestors for lv in levels)
-        )
+        #: conjugate levels whose pseudo-observation is the model's own Gaussian expansion of their likelihood (exact
+        #: for a Gaussian likelihood): those no other level descends from, and those whose descendants are all
+        #: expanded, whose likelihood is then their children's marginal (the children integrated out, see
+        #: :meth:`_expansions`); levels come ancestors first
+        expandable: set[str] = set()
+        for level in reversed(levels):
+            below = [lv.name for lv in levels if level.name in lv.ancestors]
+            if self.expansion and level.name in self.prior_levels and expandable.issuperset(below):
+                expandable.add(level.name)
+        self.expanded_levels: tuple[str, ...] = tuple(name for name in self.prior_levels if name in expandable)
         #: amortized levels with observation networks: all, or (observation_net not given) those not expanded
         self.network_levels: tuple[str, ...] = tuple(
             name for name in self.amortized_levels if self._networks_everywhere or name not in self.expanded_levels
@@ -839,13 +845,13 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         values, centres = self._expansion_point(args, kwargs, calls)
         subsamples = {name: call.indices for name, call in calls.items()}
         observed = [n for n, site in self.structure.observed.items() if not is_factor(site.fn)]
-        for name in self.expanded_levels:
+        for name in reversed(self.expanded_levels):  # children first: a parent integrates them out
             level = self._levels[name]
             scale = math.prod(self.structure.plates[p].size for p in level.plates) / max(
                 1, math.prod(int(calls[p].indices.shape[0]) for p in level.plates)
             )
-
-            expand = self._level_expander(args, kwargs, level, centres, scale, subsamples, observed)
+            collapse = self._children_integrated(level, made)
+            expand = self._level_expander(args, kwargs, level, centres, scale, subsamples, observed, collapse)
 
             centre = centres[name]
             gradient, curvature = expand(values)
@@ -869,6 +875,35 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
                 None if slopes is None else tuple(t.reshape((*shape, *t.shape[-2:])) for t in slopes),
             )
         return made
+
+    def _children_integrated(self, level: PlateLevel, made: dict) -> Callable | None:
+        r"""For an expanded level with levels below it, the ``collapse`` of
+        :func:`~pyro_hier.conjugate.element_expansion` that integrates its children out: each child's prior
+        conditional, read from the model's trace (so a function of this level's elements), against the child's own
+        expansion ``made[child]`` (its pseudo-observation, the children's children already integrated out),
+        :func:`~pyro_hier.conjugate.gaussian_log_normaliser`. The level's expansion is then that of its marginal
+        likelihood, :math:`\log \mathcal N(t_c;\ m_c(u), P_c(u)^{-1} + \Lambda_c^{-1})` summed over its children
+        :math:`c` — exact for a Gaussian hierarchy (three-level: the region's message is
+        :math:`\sum_g \mathcal N(\bar y_{rg};\ a_r, s_2^2 + \sigma^2/n)`), where holding the children at a value
+        would count them as observed and make the level far too certain. ``None`` for a level without children."""
+        below = [lv for lv in self.levels if level.name in lv.ancestors]
+        children = [lv for lv in below if not any(other.name in lv.ancestors for other in below)]
+        if not children:
+            return None
+
+        def collapse(trace) -> tuple[set[str], torch.Tensor, float]:
+            covered: set[str] = set()
+            total, scale = None, 1.0
+            for child in children:
+                fns = {site: trace.nodes[site]["fn"] for site in child.sites}
+                info, natural, _ = made[child.name]
+                log_z = gaussian_log_normaliser(self._level_prior(child, fns), info, natural)
+                total = log_z.sum() if total is None else total + log_z.sum()
+                scale = trace.nodes[child.sites[0]]["scale"]
+                covered.update(child.sites)
+            return covered, total, scale
+
+        return collapse
 
     def _create_plates(self, *args, **kwargs) -> dict:
         if self._plates is not None:  # opened once per call: a plate creates a site in the trace

@@ -313,10 +313,11 @@ class AutoBranchGuide(HierarchicalGuide):
         scale: float,
         subsamples: dict[str, torch.Tensor],
         observed: Iterable[str] = (),
+        collapse: Callable | None = None,
     ) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
         """``expand(at, u=None)``: :func:`~pyro_hier.conjugate.element_expansion` of the rest of the model at
         ``level``'s element vectors ``u`` (by default ``centres[level.name]``, read when called), the other latent sites
-        at ``at``, on the call ``args``, ``kwargs`` with the plates' ``subsamples``."""
+        at ``at``, on the call ``args``, ``kwargs`` with the plates' ``subsamples`` (and its ``collapse``)."""
 
         def expand(at: dict, u: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
             return element_expansion(
@@ -329,6 +330,7 @@ class AutoBranchGuide(HierarchicalGuide):
                 scale,
                 subsamples,
                 observed=observed,
+                collapse=collapse,
             )
 
         return expand

@@ -4,12 +4,13 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
+from pyro import poutine
 from pyro.infer import SVI, Trace_ELBO
 from torch import nn
 
 from pyro_hier import AutoAmortizedBranchGuide, GroupedData, StructureError
 from pyro_hier.diagnostics import count_parameters, elbo_estimate
-from pyro_hier.problems import synthetic_regression
+from pyro_hier.problems import synthetic_regression, three_level
 
 SMALL = {"feature_net": (32, 16), "param_net": (64,)}
 
@@ -397,6 +398,31 @@ def test_default_conditional_is_exact_before_training_for_a_gaussian_likelihood(
         AutoAmortizedBranchGuide(p.model, form="paper", conditional="conjugate")
     with pytest.raises(ValueError, match="expansion must be True or False"):
         AutoAmortizedBranchGuide(p.model, expansion=None)
+
+
+@pytest.mark.parametrize("gathered", [False, True], ids=["nested", "gathered"])
+def test_a_level_with_levels_below_is_expanded_with_its_children_integrated_out(gathered):
+    """Three levels, mu -> a_r -> b_rg -> y_rgj, Gaussian: the regions' conditional before any training is the exact
+    p(a_r | mu, y), whose likelihood is the groups' marginal prod_g N(ybar_rg; a_r, s2² + σ²/n) — not the groups held
+    at a value (that would count them as observed: precision G/s2² instead of G/(s2² + σ²/n))."""
+    R, G, n, s1, s2, sigma = 3, 4, 5, 1.0, 0.5, 1.0
+    p = three_level(num_regions=R, num_groups=G, num_obs=n, dtype=torch.float64, gathered=gathered)
+    guide = AutoAmortizedBranchGuide(p.model)
+    guide(*p.args, **p.kwargs)
+    assert set(guide.expanded_levels) == set(guide.prior_levels) and len(guide.expanded_levels) == 2
+    assert guide.network_levels == ()
+    mu = torch.tensor([0.7], dtype=torch.float64)
+    with torch.no_grad():
+        trace = poutine.trace(
+            poutine.condition(guide, {"_AutoAmortizedBranchGuide_globals_unconstrained": mu})
+        ).get_trace(*p.args, **p.kwargs)
+    region = next(s for k, s in trace.nodes.items() if k.endswith("_unconstrained") and s["value"].numel() == R)
+    y = three_level(num_regions=R, num_groups=G, num_obs=n, dtype=torch.float64).args[0]  # (R, G, n), same draw
+    message = 1.0 / (s2**2 + sigma**2 / n)
+    var = 1.0 / (1.0 / s1**2 + G * message)
+    mean = var * (mu / s1**2 + message * y.mean(-1).sum(-1))
+    torch.testing.assert_close(region["fn"].mean.reshape(R), mean)
+    torch.testing.assert_close(region["fn"].variance.reshape(R), torch.full((R,), var, dtype=torch.float64))
 
 
 def two_observed_sites_model(y1, y2):
