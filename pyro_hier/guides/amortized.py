@@ -1151,6 +1151,9 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         q = build(False, None if deltas is None else deltas[0])
         if self.stick_the_landing is False or not torch.is_grad_enabled():  # (the scorer only changes gradients)
             return q
+        potential = self._decoded[level.name]
+        if deltas is None and not (potential.precision.requires_grad or potential.shift.requires_grad):
+            return q  # no variational parameter in q's density (the model's expansion alone): q is its own scorer
         return StickingTheLanding(q, build(True, None if deltas is None else deltas[1]))
 
     def _conjugate_params(
