@@ -35,6 +35,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import pyro
@@ -59,42 +60,94 @@ def _standardised(values) -> np.ndarray:
     return (values - values.mean()) / values.std(ddof=1)
 
 
+@dataclass(frozen=True)
+class Backend:
+    """What a model needs of its PPL: each model below is written once and run under Pyro (the guides) and NumPyro
+    (the reference)."""
+
+    sample: Callable
+    plate: Callable
+    dist: object
+    exp: Callable
+
+
+def varying_slopes_model(b: Backend, n: int, scale_prior: Callable, noise_prior: Callable) -> Callable:
+    def model(group, x, y=None):
+        mu_a = b.sample("mu_a", b.dist.Normal(0.0, 1.0))
+        mu_b = b.sample("mu_b", b.dist.Normal(0.0, 1.0))
+        s_a = b.sample("s_a", scale_prior(b.dist))
+        s_b = b.sample("s_b", scale_prior(b.dist))
+        sigma = b.sample("sigma", noise_prior(b.dist))
+        with b.plate("groups", n):
+            a = b.sample("a", b.dist.Normal(mu_a, s_a))
+            slope = b.sample("b", b.dist.Normal(mu_b, s_b))
+        with b.plate("obs", len(group)):
+            b.sample("y", b.dist.Normal(a[..., group] + slope[..., group] * x, sigma), obs=y)
+
+    return model
+
+
+def cbpp_model(b: Backend, n: int) -> Callable:
+    def model(herd, period, size, incidence=None):
+        beta = b.sample("beta", b.dist.Normal(0.0, 2.0).expand([4]).to_event(1))
+        s = b.sample("s", b.dist.HalfCauchy(1.0))
+        with b.plate("herds", n):
+            u = b.sample("u", b.dist.Normal(0.0, s))
+        with b.plate("obs", len(herd)):
+            b.sample("incidence", b.dist.Binomial(size, logits=beta[..., period] + u[..., herd]), obs=incidence)
+
+    return model
+
+
+def epil_model(b: Backend, n: int) -> Callable:
+    def model(subject, x, y=None):
+        beta = b.sample("beta", b.dist.Normal(0.0, 1.0).expand([4]).to_event(1))
+        s = b.sample("s", b.dist.Exponential(1.0))
+        with b.plate("subjects", n):
+            u = b.sample("u", b.dist.Normal(0.0, s))
+        with b.plate("obs", len(subject)):
+            b.sample("y", b.dist.Poisson(b.exp((x @ beta[..., None])[..., 0] + u[..., subject])), obs=y)
+
+    return model
+
+
+def dyestuff_model(b: Backend, n: int) -> Callable:
+    def model(batch, y=None):
+        mu = b.sample("mu", b.dist.Normal(0.0, 1.0))
+        tau = b.sample("tau", b.dist.HalfCauchy(1.0))
+        sigma = b.sample("sigma", b.dist.HalfCauchy(1.0))
+        with b.plate("batches", n):
+            theta = b.sample("theta", b.dist.Normal(mu, tau))
+        with b.plate("obs", len(batch)):
+            b.sample("y", b.dist.Normal(theta[..., batch], sigma), obs=y)
+
+    return model
+
+
 def problems() -> dict[str, Callable[[], tuple]]:
     """name -> () -> (pyro model, args, kwargs, numpyro model, its args, its kwargs)."""
     import jax.numpy as jnp
     import numpyro
     import numpyro.distributions as nd
 
+    pyro_backend = Backend(pyro.sample, pyro.plate, dist, torch.exp)
+    numpyro_backend = Backend(numpyro.sample, numpyro.plate, nd, jnp.exp)
+
+    def both(make: Callable, *options, data: dict[str, np.ndarray], observed: dict[str, np.ndarray]) -> tuple:
+        """The model under each backend, with the data as torch (integer codes as long) and jax arrays."""
+        t_args = tuple(torch.as_tensor(v, dtype=torch.long if v.dtype.kind == "i" else None) for v in data.values())
+        return (
+            make(pyro_backend, *options),
+            t_args,
+            {k: torch.as_tensor(v) for k, v in observed.items()},
+            make(numpyro_backend, *options),
+            tuple(jnp.asarray(v) for v in data.values()),
+            {k: jnp.asarray(v) for k, v in observed.items()},
+        )
+
     def varying_slopes(group, x, y, scale_prior, noise_prior):
         n = int(group.max()) + 1
-
-        def pyro_model(group, x, y=None):
-            mu_a = pyro.sample("mu_a", dist.Normal(0.0, 1.0))
-            mu_b = pyro.sample("mu_b", dist.Normal(0.0, 1.0))
-            s_a = pyro.sample("s_a", scale_prior(dist))
-            s_b = pyro.sample("s_b", scale_prior(dist))
-            sigma = pyro.sample("sigma", noise_prior(dist))
-            with pyro.plate("groups", n):
-                a = pyro.sample("a", dist.Normal(mu_a, s_a))
-                b = pyro.sample("b", dist.Normal(mu_b, s_b))
-            with pyro.plate("obs", len(group)):
-                pyro.sample("y", dist.Normal(a[..., group] + b[..., group] * x, sigma), obs=y)
-
-        def numpyro_model(group, x, y=None):
-            mu_a = numpyro.sample("mu_a", nd.Normal(0.0, 1.0))
-            mu_b = numpyro.sample("mu_b", nd.Normal(0.0, 1.0))
-            s_a = numpyro.sample("s_a", scale_prior(nd))
-            s_b = numpyro.sample("s_b", scale_prior(nd))
-            sigma = numpyro.sample("sigma", noise_prior(nd))
-            with numpyro.plate("groups", n):
-                a = numpyro.sample("a", nd.Normal(mu_a, s_a))
-                b = numpyro.sample("b", nd.Normal(mu_b, s_b))
-            with numpyro.plate("obs", len(group)):
-                numpyro.sample("y", nd.Normal(a[group] + b[group] * x, sigma), obs=y)
-
-        t_args = (torch.as_tensor(group, dtype=torch.long), torch.as_tensor(x, dtype=torch.float64))
-        j_args = (jnp.asarray(group), jnp.asarray(x))
-        return pyro_model, t_args, {"y": torch.as_tensor(y)}, numpyro_model, j_args, {"y": jnp.asarray(y)}
+        return both(varying_slopes_model, n, scale_prior, noise_prior, data={"group": group, "x": x}, observed={"y": y})
 
     def sleepstudy():
         d = _data("lme4", "sleepstudy")
@@ -118,36 +171,10 @@ def problems() -> dict[str, Callable[[], tuple]]:
 
     def cbpp():
         d = _data("lme4", "cbpp")
-        herd, period = _codes(d["herd"]), d["period"].astype(int).to_numpy() - 1
+        herd, period = _codes(d["herd"]).astype(np.int64), d["period"].astype(int).to_numpy() - 1
         size, incidence = d["size"].to_numpy().astype(float), d["incidence"].to_numpy().astype(float)
-        n = int(herd.max()) + 1
-
-        def pyro_model(herd, period, size, incidence=None):
-            beta = pyro.sample("beta", dist.Normal(0.0, 2.0).expand([4]).to_event(1))
-            s = pyro.sample("s", dist.HalfCauchy(1.0))
-            with pyro.plate("herds", n):
-                u = pyro.sample("u", dist.Normal(0.0, s))
-            with pyro.plate("obs", len(herd)):
-                pyro.sample("incidence", dist.Binomial(size, logits=beta[..., period] + u[..., herd]), obs=incidence)
-
-        def numpyro_model(herd, period, size, incidence=None):
-            beta = numpyro.sample("beta", nd.Normal(0.0, 2.0).expand([4]).to_event(1))
-            s = numpyro.sample("s", nd.HalfCauchy(1.0))
-            with numpyro.plate("herds", n):
-                u = numpyro.sample("u", nd.Normal(0.0, s))
-            with numpyro.plate("obs", len(herd)):
-                numpyro.sample("incidence", nd.Binomial(size, logits=beta[period] + u[herd]), obs=incidence)
-
-        t_args = (torch.as_tensor(herd, dtype=torch.long), torch.as_tensor(period), torch.as_tensor(size))
-        j_args = (jnp.asarray(herd), jnp.asarray(period), jnp.asarray(size))
-        return (
-            pyro_model,
-            t_args,
-            {"incidence": torch.as_tensor(incidence)},
-            numpyro_model,
-            j_args,
-            {"incidence": jnp.asarray(incidence)},
-        )
+        data = {"herd": herd, "period": period, "size": size}
+        return both(cbpp_model, int(herd.max()) + 1, data=data, observed={"incidence": incidence})
 
     def epil():
         d = _data("MASS", "epil")
@@ -163,61 +190,12 @@ def problems() -> dict[str, Callable[[], tuple]]:
             -1,
         )
         y = d["y"].to_numpy().astype(float)
-        n = int(subject.max()) + 1
-
-        def pyro_model(subject, x, y=None):
-            beta = pyro.sample("beta", dist.Normal(0.0, 1.0).expand([4]).to_event(1))
-            s = pyro.sample("s", dist.Exponential(1.0))
-            with pyro.plate("subjects", n):
-                u = pyro.sample("u", dist.Normal(0.0, s))
-            with pyro.plate("obs", len(subject)):
-                rate = ((x @ beta.unsqueeze(-1)).squeeze(-1) + u[..., subject]).exp()
-                pyro.sample("y", dist.Poisson(rate), obs=y)
-
-        def numpyro_model(subject, x, y=None):
-            beta = numpyro.sample("beta", nd.Normal(0.0, 1.0).expand([4]).to_event(1))
-            s = numpyro.sample("s", nd.Exponential(1.0))
-            with numpyro.plate("subjects", n):
-                u = numpyro.sample("u", nd.Normal(0.0, s))
-            with numpyro.plate("obs", len(subject)):
-                numpyro.sample("y", nd.Poisson(jnp.exp(x @ beta + u[subject])), obs=y)
-
-        t_args = (torch.as_tensor(subject, dtype=torch.long), torch.as_tensor(x))
-        j_args = (jnp.asarray(subject), jnp.asarray(x))
-        return pyro_model, t_args, {"y": torch.as_tensor(y)}, numpyro_model, j_args, {"y": jnp.asarray(y)}
+        return both(epil_model, int(subject.max()) + 1, data={"subject": subject, "x": x}, observed={"y": y})
 
     def dyestuff():
         d = _data("lme4", "Dyestuff")
         batch, y = _codes(d["Batch"]), _standardised(d["Yield"])
-        n = int(batch.max()) + 1
-
-        def pyro_model(batch, y=None):
-            mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
-            tau = pyro.sample("tau", dist.HalfCauchy(1.0))
-            sigma = pyro.sample("sigma", dist.HalfCauchy(1.0))
-            with pyro.plate("batches", n):
-                theta = pyro.sample("theta", dist.Normal(mu, tau))
-            with pyro.plate("obs", len(batch)):
-                pyro.sample("y", dist.Normal(theta[..., batch], sigma), obs=y)
-
-        def numpyro_model(batch, y=None):
-            mu = numpyro.sample("mu", nd.Normal(0.0, 1.0))
-            tau = numpyro.sample("tau", nd.HalfCauchy(1.0))
-            sigma = numpyro.sample("sigma", nd.HalfCauchy(1.0))
-            with numpyro.plate("batches", n):
-                theta = numpyro.sample("theta", nd.Normal(mu, tau))
-            with numpyro.plate("obs", len(batch)):
-                numpyro.sample("y", nd.Normal(theta[batch], sigma), obs=y)
-
-        t_args = (torch.as_tensor(batch, dtype=torch.long),)
-        return (
-            pyro_model,
-            t_args,
-            {"y": torch.as_tensor(y)},
-            numpyro_model,
-            (jnp.asarray(batch),),
-            {"y": jnp.asarray(y)},
-        )
+        return both(dyestuff_model, int(batch.max()) + 1, data={"batch": batch}, observed={"y": y})
 
     return {
         "sleepstudy": sleepstudy,

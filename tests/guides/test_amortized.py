@@ -284,11 +284,11 @@ def test_natural_form_contains_the_exact_conditional(dtype, conditional):
     assert (fresh.local_posterior(*p.args)["groups"]["loc"].squeeze(1).double() - mu).abs().max() > 0.1
 
 
-@pytest.mark.parametrize("covariance", ["dense", "block", "diagonal"])
-def test_natural_form_ragged_groups_equal_the_padded_nested_formulation(covariance):
+def nested_and_ragged_guides(opts: dict) -> tuple:
+    """The natural form on the padded nested model and on ragged rows, the same (perturbed) parameters in both:
+    ``(ragged data, padded data, nested guide, ragged guide)``."""
     x, y, group = ragged_data()
     xp, yp, mask = padded(x, y, group)
-    opts = {"covariance": covariance, "observation_net": (8,), "rank": 2, "init_scale": 1.0}  # Λ₀ ≈ I
     nested = AutoAmortizedBranchGuide(padded_model, local_features=lambda xp, yp, mask: xp, **opts)
     nested(xp, yp, mask)
     with torch.no_grad():
@@ -298,6 +298,13 @@ def test_natural_form_ragged_groups_equal_the_padded_nested_formulation(covarian
     ragged = AutoAmortizedBranchGuide(ragged_model, local_data=rows, **opts)
     ragged(x, y, group, len(SIZES))
     ragged.load_state_dict(nested.state_dict())
+    return (x, y, group), (xp, yp, mask), nested, ragged
+
+
+@pytest.mark.parametrize("covariance", ["dense", "block", "diagonal"])
+def test_natural_form_ragged_groups_equal_the_padded_nested_formulation(covariance):
+    opts = {"covariance": covariance, "observation_net": (8,), "rank": 2, "init_scale": 1.0}  # Λ₀ ≈ I
+    (x, y, group), (xp, yp, mask), nested, ragged = nested_and_ragged_guides(opts)
     q_nested = nested.local_posterior(xp, yp, mask)["groups"]
     q_ragged = ragged.local_posterior(x, y, group, len(SIZES))["groups"]
     for key in ("loc", "weight", "scale_tril"):
@@ -449,18 +456,8 @@ def test_linear_observation_map_sums_from_second_moments_equal_the_per_row_sums(
     # nested rows and for ragged rows
     from pyro_hier.guides import amortized
 
-    x, y, group = ragged_data()
-    xp, yp, mask = padded(x, y, group)
     opts = {"covariance": covariance, "observation_net": (), "rank": 2}
-    nested = AutoAmortizedBranchGuide(padded_model, local_features=lambda xp, yp, mask: xp, **opts)
-    nested(xp, yp, mask)
-    with torch.no_grad():
-        for p in nested.parameters():
-            p.add_(0.3 * torch.randn_like(p))
-    rows = GroupedData(torch.cat([y.unsqueeze(-1), x], -1), group, num_groups=len(SIZES))
-    ragged = AutoAmortizedBranchGuide(ragged_model, local_data=rows, **opts)
-    ragged(x, y, group, len(SIZES))
-    ragged.load_state_dict(nested.state_dict())
+    (x, y, group), (xp, yp, mask), nested, ragged = nested_and_ragged_guides(opts)
     fast = [nested.local_posterior(xp, yp, mask)["groups"], ragged.local_posterior(x, y, group, len(SIZES))["groups"]]
     monkeypatch.setattr(amortized, "_affine_map", lambda net: None)
     slow = [nested.local_posterior(xp, yp, mask)["groups"], ragged.local_posterior(x, y, group, len(SIZES))["groups"]]
