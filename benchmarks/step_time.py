@@ -45,6 +45,9 @@ from pyro_hier.problems import synthetic_regression
 
 GUIDES = (
     "AutoNormal",
+    "branch-default",
+    "amortized-default",
+    "pavi-default",
     "branch-dense",
     "branch-block",
     "branch-diagonal",
@@ -62,6 +65,9 @@ def make_guide(name: str, problem, N: int) -> torch.nn.Module:
     model = problem.model
     if name == "AutoNormal":
         return AutoNormal(model, create_plates=lambda x, y, s=None: pyro.plate("groups", N, subsample=s, dim=-2))
+    if name.endswith("-default"):  # the class as a user builds it: Guide(model)
+        family = {"branch": AutoBranchGuide, "amortized": AutoAmortizedBranchGuide, "pavi": AutoPlateAmortizedFlow}
+        return family[name.split("-")[0]](model)
     if name.startswith("branch-"):
         covariance = name.split("-")[1]
         return AutoBranchGuide(model, covariance=covariance, stick_the_landing=name.endswith("-stl"))

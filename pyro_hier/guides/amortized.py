@@ -341,6 +341,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         state["_expansion_cache"] = None  # (keyed by the identity of this process's arguments)
+        state["_model_run"] = None
         return state
 
     # ---- setup --------------------------------------------------------------------------------------------------
@@ -389,6 +390,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         #: the expanded levels' last expansion: (call key, training calls when made, refreshes on that key,
         #: {level: (precision, natural parameter, slopes or None)})
         self._expansion_cache: tuple | None = None
+        self._model_run: tuple | None = None  # the last inspection run of the model, keyed by its arguments
         self._expanded: dict = {}  # the expansions of the current call
         self._data_expansion: tuple | None = None  # the last call's with data, and its plates' indices
         self._observed_rows: ObservedRows | None = None
@@ -607,6 +609,20 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         return any(s.kind != "ragged" for sources in self._sources.values() for s in sources)
 
     def _run_model(self, args: tuple, kwargs: dict) -> tuple[dict[str, PlateCall], dict[str, Observation]]:
+        """The model's plates on this call and its observed values (when the networks read them), from one inspection
+        run; the same arguments again (the same objects, unmodified: a full-data loop, ``Predictive``'s draws) reuse the
+        last run unless Pyro drew a plate's subsample at random there. The arguments are held with the run, so their
+        identities cannot be reused by other tensors."""
+        key = (id(self.model), _identity(args, kwargs))
+        last = self._model_run
+        if last is not None and last[0] == key:
+            return last[3], last[4]
+        calls, observations = self._inspect_model(args, kwargs)
+        drawn = any(call.subsampled and not call.user_indices for call in calls.values())
+        self._model_run = None if drawn else (key, args, dict(kwargs), calls, observations)
+        return calls, observations
+
+    def _inspect_model(self, args: tuple, kwargs: dict) -> tuple[dict[str, PlateCall], dict[str, Observation]]:
         if self._needs_observations():
             return capture_observations(self.model, args, kwargs)
         if not self.has_model:  # unpickled without its model, ragged data only: every group, as AutoNormal would
@@ -750,17 +766,22 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         (:meth:`AutoBranchGuide._pseudo_observation_slopes`): :math:`\eta_i(\theta) = \bar\eta_i + B_i (\theta -
         \bar\theta)`, :math:`\Lambda_i(\theta) = E \bar\Lambda_i E`, :math:`E = \mathrm{diag}(e^{C_i (\theta -
         \bar\theta)})`. It holds no parameter; it is redone every :data:`EXPANSION_EVERY` training calls (the
-        slopes every :data:`~pyro_hier.guides.branch.SLOPES_EVERY`-th time), at once for other arguments."""
+        slopes every :data:`~pyro_hier.guides.branch.SLOPES_EVERY`-th time), at once for other arguments; when a redo
+        gives the same expansion (a Gaussian likelihood that reads no global: three-level, the regression) the interval
+        doubles, up to 64 times, and it is back at :data:`EXPANSION_EVERY` once a redo differs."""
         assert self.structure is not None and self._decoded is not None
         key = (_identity(args, kwargs), torch.is_grad_enabled())
         calls_done = float(self.references.training_calls.detach()) if hasattr(self.references, "training_calls") else 0
         cached = self._expansion_cache
-        if cached is not None and cached[0] == key and calls_done - cached[1] < EXPANSION_EVERY:
+        held = {p: c.indices for p, c in calls.items()}
+        if cached is not None and cached[0] == key and not _same_indices(cached[4], held):
+            cached = None  # the same arguments, but Pyro drew other elements (subsample_size=)
+        if cached is not None and cached[0] == key and calls_done - cached[1] < cached[5]:
             self._expanded = self._at_elements(cached[3], cached[4], indices, "the call")
             return
         refreshes = 0 if cached is None or cached[0] != key else cached[2] + 1
         old = None if cached is None or cached[0] != key else cached[3]
-        held = {p: c.indices for p, c in calls.items()}
+        every = EXPANSION_EVERY
         try:
             with keep_random_state():  # (inspection runs: init strategies draw from the prior)
                 made = self._expansions_of_call(args, kwargs, calls, refreshes, old)
@@ -774,7 +795,9 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             made = self._at_elements(*self._data_expansion, held, "the last call that had the observations")
         else:
             self._data_expansion = (made, held)
-        self._expansion_cache = (key, calls_done, refreshes, made, held)
+        if old is not None and _same_expansions(made, old):  # the expansion point does not move it: back off
+            every = min(2 * cached[5], EXPANSION_EVERY * 2**6)
+        self._expansion_cache = (key, calls_done, refreshes, made, held, every)
         self._expanded = self._at_elements(made, held, indices, "the call")
 
     def _at_elements(self, made: dict, held: dict, want: dict, source: str) -> dict:
@@ -1315,6 +1338,36 @@ def _identity(args: tuple, kwargs: dict) -> tuple:
         return id(x)
 
     return tuple(one(a) for a in args) + tuple((k, one(v)) for k, v in sorted(kwargs.items()))
+
+
+def _same_indices(held: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> bool:
+    """Whether two calls used the same elements of every plate."""
+    return held.keys() == other.keys() and all(
+        held[p].shape == other[p].shape and torch.equal(held[p], other[p].to(held[p].device)) for p in held
+    )
+
+
+def _same_expansions(made: dict, old: dict) -> bool:
+    """Whether two calls' expansions ``{level: (precision, natural, slopes)}`` agree to rounding."""
+
+    def close(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+        if a is None or b is None:
+            return a is b
+        tol = 1e-5 if a.dtype == torch.float64 else 1e-4
+        return a.shape == b.shape and torch.allclose(a, b, rtol=tol, atol=tol * float(b.abs().max().clamp(min=1e-30)))
+
+    for name, parts in made.items():
+        other = old.get(name)
+        if other is None:
+            return False
+        (info, natural, slopes), (info0, natural0, slopes0) = parts, other
+        pairs = [(info, info0), (natural, natural0)]
+        if (slopes is None) != (slopes0 is None):
+            return False
+        pairs += list(zip(slopes or (), slopes0 or (), strict=True))
+        if not all(close(a, b) for a, b in pairs):
+            return False
+    return True
 
 
 def _key(level_name: str) -> str:

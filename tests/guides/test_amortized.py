@@ -465,3 +465,30 @@ def test_linear_observation_map_sums_from_second_moments_equal_the_per_row_sums(
         for key in ("loc", "weight", "scale_tril"):
             if q_slow[key] is not None:
                 torch.testing.assert_close(q_fast[key], q_slow[key])
+
+
+def random_minibatch_model(y):
+    mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+    with pyro.plate("groups", y.shape[0], subsample_size=3, dim=-2) as idx:
+        z = pyro.sample("z", dist.Normal(mu, 1.0))
+        with pyro.plate("obs", y.shape[1], dim=-1):
+            pyro.sample("y", dist.Normal(z, 1.0), obs=y[idx])
+
+
+def test_the_models_inspection_is_reused_only_for_the_same_unmodified_arguments():
+    """The guide reads the model's plates (and its data) once per call; the same argument objects again reuse that
+    run, but not when Pyro draws the subsample at random, nor after the data changed in place."""
+    y = torch.randn(8, 4)
+    guide = AutoAmortizedBranchGuide(random_minibatch_model)
+    seen = set()
+    for _ in range(6):
+        seen.add(tuple(poutine.trace(guide).get_trace(y).nodes["groups"]["value"].tolist()))
+    assert len(seen) > 1  # the random subsample is read anew on every call
+    pyro.clear_param_store()
+    p = synthetic_regression(num_groups=5, num_obs=6, dim=2, seed=0)
+    guide = AutoAmortizedBranchGuide(p.model)
+    with torch.no_grad():
+        before = guide.median(*p.args)["z"]
+        p.args[1].add_(3.0)  # the responses moved in place: a new model run, a new expansion
+        after = guide.median(*p.args)["z"]
+    assert (after - before).abs().max() > 0.5  # (a stale inspection gives the same median to the last digit)
