@@ -28,9 +28,11 @@ from pyro_hier.errors import StructureError
 __all__ = [
     "GatheredRows",
     "PlateCall",
+    "call_key",
     "capture_plates",
     "check_plate_sizes",
     "draw_subsamples",
+    "drawn_at_random",
     "element_selection",
     "gathered_rows",
     "open_plates",
@@ -124,6 +126,26 @@ def capture_plates(
         except _AllPlatesSeen:
             pass
     return recorder.calls
+
+
+def call_key(args: tuple, kwargs: dict) -> tuple:
+    """Which call of the model this is, for reusing what a guide read from the model on the last one: each
+    argument's identity, and a tensor's storage, shape and version counter (changed by any in-place write). Equal keys
+    mean the same objects, unmodified (a full-data training loop, ``Predictive``'s draws). Whoever keeps a result under
+    a key must hold the arguments with it, so that their identities cannot be reused by other objects."""
+
+    def one(x):
+        if isinstance(x, torch.Tensor):
+            return (id(x), x.data_ptr(), tuple(x.shape), x._version)
+        return id(x)
+
+    return tuple(one(a) for a in args) + tuple((k, one(v)) for k, v in sorted(kwargs.items()))
+
+
+def drawn_at_random(calls: Mapping[str, PlateCall]) -> bool:
+    """Whether Pyro drew a plate's subsample at random on this call (``subsample_size=`` without indices): another
+    call with the same arguments would use other elements."""
+    return any(call.subsampled and not call.user_indices for call in calls.values())
 
 
 def check_plate_sizes(calls: dict[str, PlateCall], sizes: dict[str, int], who: str) -> None:

@@ -41,7 +41,14 @@ from pyro_hier.local_data import (
     nested_features,
 )
 from pyro_hier.nn import MLP, Standardize, masked_pool, segment_pool, with_square
-from pyro_hier.plates import PlateCall, capture_plates, element_selection, plate_indices
+from pyro_hier.plates import (
+    PlateCall,
+    call_key,
+    capture_plates,
+    drawn_at_random,
+    element_selection,
+    plate_indices,
+)
 from pyro_hier.sparse import select_elements
 from pyro_hier.structure import ModelStructure, PlateLevel
 from pyro_hier.transforms import positive, positive_inv, scale_tril_from_raw
@@ -613,13 +620,12 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         run; the same arguments again (the same objects, unmodified: a full-data loop, ``Predictive``'s draws) reuse the
         last run unless Pyro drew a plate's subsample at random there. The arguments are held with the run, so their
         identities cannot be reused by other tensors."""
-        key = (id(self.model), _identity(args, kwargs))
+        key = (id(self.model), call_key(args, kwargs))
         last = self._model_run
         if last is not None and last[0] == key:
             return last[3], last[4]
         calls, observations = self._inspect_model(args, kwargs)
-        drawn = any(call.subsampled and not call.user_indices for call in calls.values())
-        self._model_run = None if drawn else (key, args, dict(kwargs), calls, observations)
+        self._model_run = None if drawn_at_random(calls) else (key, args, dict(kwargs), calls, observations)
         return calls, observations
 
     def _inspect_model(self, args: tuple, kwargs: dict) -> tuple[dict[str, PlateCall], dict[str, Observation]]:
@@ -770,7 +776,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         gives the same expansion (a Gaussian likelihood that reads no global: three-level, the regression) the interval
         doubles, up to 64 times, and it is back at :data:`EXPANSION_EVERY` once a redo differs."""
         assert self.structure is not None and self._decoded is not None
-        key = (_identity(args, kwargs), torch.is_grad_enabled())
+        key = (call_key(args, kwargs), torch.is_grad_enabled())
         calls_done = float(self.references.training_calls.detach()) if hasattr(self.references, "training_calls") else 0
         cached = self._expansion_cache
         held = {p: c.indices for p, c in calls.items()}
@@ -1326,18 +1332,6 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
                 else self.conditional(name)
                 for name in self.amortized_levels
             }
-
-
-def _identity(args: tuple, kwargs: dict) -> tuple:
-    """Which call this is, for the expansions' cache: each argument's identity, and a tensor's storage and shape
-    (the same objects again: ``Predictive``'s draws, a full-data training loop)."""
-
-    def one(x):
-        if isinstance(x, torch.Tensor):
-            return (id(x), x.data_ptr(), tuple(x.shape), x._version)
-        return id(x)
-
-    return tuple(one(a) for a in args) + tuple((k, one(v)) for k, v in sorted(kwargs.items()))
 
 
 def _same_indices(held: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> bool:

@@ -23,7 +23,14 @@ from pyro.ops.tensor_utils import periodic_repeat
 from torch.distributions import biject_to
 
 from pyro_hier.errors import StructureError
-from pyro_hier.plates import PlateCall, capture_plates, check_plate_sizes, open_plates
+from pyro_hier.plates import (
+    PlateCall,
+    call_key,
+    capture_plates,
+    check_plate_sizes,
+    drawn_at_random,
+    open_plates,
+)
 from pyro_hier.structure import LatentSite, ModelStructure, PlateLevel, inspect_model
 
 __all__ = ["HierarchicalGuide", "concat_broadcast", "empirical_quantiles", "parameter_keys", "strip_trailing_ones"]
@@ -134,6 +141,7 @@ class HierarchicalGuide(AutoGuide):
         self._model, self.master = model, master  # Pyro's AutoGuide.__getstate__ drops them from the live guide too
         state["_model"] = None
         state["_verify_model"] = False
+        state["_plates_run"] = None  # (keyed by this process's objects)
         user = self._user_model
         if state.pop("_deep_copying", False):  # copy.deepcopy in this process: the model as it is
             pass
@@ -271,8 +279,10 @@ class HierarchicalGuide(AutoGuide):
                 info = self.structure.plates[n]
                 plates[n] = pyro.plate(n, info.size, dim=info.dim)
             missing = []
+        self.drawn_plates: tuple[str, ...] = ()  # plates whose subsample Pyro drew at random on this call
         if missing:
             calls = self._capture_plates(args, kwargs, missing)
+            self.drawn_plates = tuple(n for n, c in calls.items() if c.subsampled and not c.user_indices)
             check_plate_sizes(calls, {n: self.structure.plates[n].size for n in missing}, type(self).__name__)
             plates.update(open_plates(calls, {n: self.structure.plates[n].dim for n in missing}))
         self.plates = plates
@@ -280,8 +290,15 @@ class HierarchicalGuide(AutoGuide):
 
     def _capture_plates(self, args: tuple, kwargs: dict, names: list[str]) -> dict[str, PlateCall]:
         """What the model does with the plates ``names`` on this call (a hook: guides that run the model anyway
-        reuse that run)."""
-        return capture_plates(self.model, args, kwargs, names=names)
+        reuse that run). The same arguments again (the same objects, unmodified: :func:`~pyro_hier.plates.call_key`)
+        reuse the last call's plates, unless Pyro drew a subsample at random there."""
+        key = (id(self.model), call_key(args, kwargs), tuple(names))
+        last = getattr(self, "_plates_run", None)
+        if last is not None and last[0] == key:
+            return dict(last[3])
+        calls = capture_plates(self.model, args, kwargs, names=names)
+        self._plates_run = None if drawn_at_random(calls) else (key, args, dict(kwargs), dict(calls))
+        return calls
 
     # ---- initial values -----------------------------------------------------------------------------------------
     def _init_unconstrained(self, site: LatentSite) -> torch.Tensor:

@@ -479,9 +479,12 @@ class AutoBranchGuide(HierarchicalGuide):
         """Whether a conjugate level has elements with no reference yet while this call subsamples it. Its first such
         call then makes every element's reference from the model's call on all the data, once: a compiled (JIT) loop
         runs Python only on its first call, and in an eager one each group then starts at its Newton step before
-        the globals have moved far."""
+        the globals have moved far. Not where Pyro draws the subsample at random (``subsample_size=``): Pyro cannot
+        reopen such a plate in full, so its groups get their references as minibatches reach them."""
         for name in self.conjugate_levels:
             level = self._levels[name]
+            if set(level.plates) & set(getattr(self, "drawn_plates", ())):
+                continue
             subsampled = any(_subsample_size(plates[p]) < self.structure.plates[p].size for p in level.plates)
             if subsampled and bool((getattr(self.references, f"{name}__visits").detach() < 0).any()):
                 return True
@@ -1044,6 +1047,15 @@ class AutoBranchGuide(HierarchicalGuide):
         if not args and not kwargs:
             args, kwargs = self.structure.args, self.structure.kwargs
         args, kwargs, forced = full_data_call(self.model, args, kwargs)
+        drawn = sorted(set(forced) & {p for name in self._prior_reading_levels for p in self._levels[name].plates})
+        if drawn:
+            raise StructureError(
+                f"{type(self).__name__}'s median and quantiles of the groups draw them from the model's prior "
+                f"conditional on all the data, and Pyro cannot open plate '{drawn[0]}' in full: the model "
+                "subsamples it at random (subsample_size=). Pass the indices as an argument instead "
+                "(pyro.plate(name, N, subsample=idx), idx=None for all the groups), or use Predictive(model, "
+                "guide=guide) for draws of each call's minibatch."
+            )
         saved = self.create_plates
         if forced:  # plates the model subsamples at random: the guide opens them in full, the model replays that
             dims = {n: self.structure.plates[n].dim for n in forced if n in self.structure.plates}

@@ -713,3 +713,27 @@ def test_local_batch_dim_that_is_not_a_plate_is_an_error():
 
     with pytest.raises(StructureError, match=r"'z' has a batch dim -1 of size 3.*to_event"):
         AutoBranchGuide(model)()
+
+
+def random_subsample_model(y):
+    mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+    with pyro.plate("groups", GROUPS, subsample_size=3, dim=-2) as i:
+        z = pyro.sample("z", dist.Normal(mu, 1.0))
+        with pyro.plate("obs", OBS, dim=-1):
+            pyro.sample("y", dist.Normal(z, 1.0), obs=y[i])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_subsample_pyro_draws_at_random_is_read_anew_on_every_call(name):
+    """The guides reuse what they read from the model for the same arguments, but not a plate whose subsample Pyro
+    draws at random (``subsample_size=``): every call must see that call's draw, or training would stay on one
+    minibatch."""
+    y = toy_data()
+    guide = GUIDES[name](random_subsample_model)
+    fit(guide, random_subsample_model, y, steps=1)
+    seen = {tuple(poutine.trace(guide).get_trace(y).nodes["groups"]["value"].tolist()) for _ in range(8)}
+    assert len(seen) > 1
+    assert Predictive(random_subsample_model, guide=guide, num_samples=2)(y)["z"].shape == (2, 3, 1)
+    if name.startswith("branch") or name in AMORTIZED_CONJUGATE:  # summaries need the plate in full: Pyro refuses
+        with pytest.raises(StructureError, match=r"plate 'groups' in full.*subsample_size="):
+            guide.median(y)
