@@ -1046,8 +1046,12 @@ class AutoBranchGuide(HierarchicalGuide):
         assert self.structure is not None
         if not args and not kwargs:
             args, kwargs = self.structure.args, self.structure.kwargs
+        reading = sorted({p for name in self._prior_reading_levels for p in self._levels[name].plates})
+        drawn = []
+        if reading and self.has_model:  # plates Pyro subsamples at random: it cannot reopen them in full
+            calls = self._capture_plates(args, kwargs, reading)
+            drawn = [n for n in reading if n in calls and calls[n].subsampled and not calls[n].user_indices]
         args, kwargs, forced = full_data_call(self.model, args, kwargs)
-        drawn = sorted(set(forced) & {p for name in self._prior_reading_levels for p in self._levels[name].plates})
         if drawn:
             raise StructureError(
                 f"{type(self).__name__}'s median and quantiles of the groups draw them from the model's prior "
