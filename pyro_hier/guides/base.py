@@ -23,6 +23,7 @@ from pyro.ops.tensor_utils import periodic_repeat
 from torch.distributions import biject_to
 
 from pyro_hier.errors import StructureError
+from pyro_hier.gathers import keep_random_state
 from pyro_hier.plates import (
     PlateCall,
     call_key,
@@ -296,7 +297,8 @@ class HierarchicalGuide(AutoGuide):
         last = getattr(self, "_plates_run", None)
         if last is not None and last[0] == key:
             return dict(last[3])
-        calls = capture_plates(self.model, args, kwargs, names=names)
+        with keep_random_state():  # (the model draws its latents from the prior up to its plates)
+            calls = capture_plates(self.model, args, kwargs, names=names)
         self._plates_run = None if drawn_at_random(calls) else (key, args, dict(kwargs), dict(calls))
         return calls
 
