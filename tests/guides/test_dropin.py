@@ -7,10 +7,13 @@ the summaries, shortened runs with bounds loose enough for their budget but far 
 - ``AutoBranchGuide``: 800 steps at rate 0.03, every posterior mean within 1.2 reference sds. Measured when written:
   0.67 (AutoNormal in the same loop: 2.95; the previous default, the linear dense conditional, 1.54 even after the
   full 5,000 steps at rate 0.01). The Monte Carlo error of the 1,000 draws' means is under 0.1 sd.
-- ``AutoHierarchicalVM``: 500 steps at rate 0.05. Measured then (500 draws, seed 0): max error 0.33, sd ratios up to
-  1.6 (AutoNormal 2.83 in the same loop). The previous defaults (levels independent, r's centre without gradient, no
-  averaging) gave 6.2 and 8.3 (seeds 0, 1); the ones before (four components, r's features of the raw unconstrained
-  value) 24 with sd ratios up to 7.
+- ``AutoHierarchicalVM``: radon with HalfNormal priors, 1,000 steps at rate 0.03, every posterior mean within 0.8
+  reference sds and every sd at least 0.35 of the reference's. Measured when written (500 draws, seed 0): max error
+  0.58, sd ratios 0.54–1.31. The previous default (children stretched about the origin of the unconstrained space,
+  slopes read once at the init values, r's shift in λ's units) gave 0.92 with the county scale's q at 0.12 of its
+  posterior sd, the collapse its full drop-in run ended in (0.685). (The guard before, 500 steps at rate 0.05 on the
+  Uniform priors, measured 0.33 on that default and 1.21 on this one: the county scale's location is not there yet
+  after 500 steps; after the full 5,000 steps at rate 0.01 this default is the better one on both priors.)
 - ``AutoPlateAmortizedFlow``: 500 steps at rate 0.05. Measured when written (500 draws, seed 0): max error 0.47, sd
   ratios up to 1.11 (AutoNormal 2.8–3.0 at this budget). The previous default (PAVI's own form: the flow pushing the
   prior conditional forward, ``encoder="free"``, ``flow="affine+maf"``, no ancestors in the context) gave 0.84 with
@@ -33,9 +36,12 @@ from pyro_hier import AutoAmortizedBranchGuide, AutoBranchGuide, AutoHierarchica
 from pyro_hier.problems import radon_mn
 
 
-def fit_in_the_users_loop(make: Callable, *, steps: int, lr: float, draws: int, parallel: bool):
-    """The final loss, and the largest |E_q − E_ref| / sd_ref and sd_q / sd_ref over every latent element."""
-    problem = radon_mn(prior="uniform")
+def fit_in_the_users_loop(
+    make: Callable, *, steps: int, lr: float, draws: int, parallel: bool, prior: str = "uniform"
+) -> tuple[float, float, float, float]:
+    """The final loss, the largest |E_q − E_ref| / sd_ref, and the largest and smallest sd_q / sd_ref over every
+    latent element (radon with the given ``prior`` of its scales)."""
+    problem = radon_mn(prior=prior)
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     guide = make(problem.model)
@@ -48,36 +54,42 @@ def fit_in_the_users_loop(make: Callable, *, steps: int, lr: float, draws: int, 
         samples = Predictive(problem.model, guide=guide, num_samples=draws, parallel=parallel, return_sites=sites)(
             *problem.args, **problem.kwargs
         )
-    errors, ratios = [], []
+    errors, ratios, low = [], [], []
     for name, ref in problem.moments.items():
         v = samples[name].double().reshape((draws, *ref.mean.shape))
         errors.append(float(((v.mean(0) - ref.mean) / ref.sd).abs().max()))
         ratios.append(float((v.std(0) / ref.sd).max()))
-    return loss, max(errors), max(ratios)
+        low.append(float((v.std(0) / ref.sd).min()))
+    return loss, max(errors), max(ratios), min(low)
 
 
 def test_default_branch_guide_in_the_users_loop_on_radon():
-    loss, error, _ = fit_in_the_users_loop(AutoBranchGuide, steps=800, lr=0.03, draws=1000, parallel=False)
+    loss, error, _, _ = fit_in_the_users_loop(AutoBranchGuide, steps=800, lr=0.03, draws=1000, parallel=False)
     assert math.isfinite(loss)
     assert error < 1.2, error
 
 
 def test_default_hierarchical_vm_in_the_users_loop_on_radon():
-    loss, error, ratio = fit_in_the_users_loop(AutoHierarchicalVM, steps=500, lr=0.05, draws=500, parallel=True)
-    assert math.isfinite(loss) and loss < 1200  # the posterior's -ELBO is about 1090
-    assert error < 1.5
-    assert ratio < 3.0
+    loss, error, ratio, low = fit_in_the_users_loop(
+        AutoHierarchicalVM, steps=1000, lr=0.03, draws=500, parallel=True, prior="halfnormal"
+    )
+    assert math.isfinite(loss) and loss < 1200  # the posterior's -ELBO is about 1080
+    assert error < 0.8, error
+    assert low > 0.35, low  # the county scale's q does not collapse
+    assert ratio < 2.0, ratio
 
 
 def test_default_plate_amortized_flow_in_the_users_loop_on_radon():
-    loss, error, ratio = fit_in_the_users_loop(AutoPlateAmortizedFlow, steps=500, lr=0.05, draws=500, parallel=True)
+    loss, error, ratio, _ = fit_in_the_users_loop(AutoPlateAmortizedFlow, steps=500, lr=0.05, draws=500, parallel=True)
     assert math.isfinite(loss) and loss < 1200  # the posterior's -ELBO is about 1090
     assert error < 0.7, error
     assert ratio < 1.5, ratio
 
 
 def test_default_amortized_branch_guide_in_the_users_loop_on_radon():
-    loss, error, ratio = fit_in_the_users_loop(AutoAmortizedBranchGuide, steps=500, lr=0.05, draws=500, parallel=True)
+    loss, error, ratio, _ = fit_in_the_users_loop(
+        AutoAmortizedBranchGuide, steps=500, lr=0.05, draws=500, parallel=True
+    )
     assert math.isfinite(loss) and loss < 1100  # the posterior's -ELBO is about 1090
     assert error < 1.0, error
     assert ratio < 1.6, ratio
