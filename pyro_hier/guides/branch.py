@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -13,6 +14,7 @@ import torch
 from pyro import poutine
 from pyro.infer.autoguide.initialization import init_to_feasible
 from pyro.nn import PyroModule, PyroParam
+from pyro.poutine.runtime import am_i_wrapped
 from torch.distributions import biject_to, constraints
 
 from pyro_hier.conjugate import (
@@ -168,7 +170,10 @@ class AutoBranchGuide(HierarchicalGuide):
         create_plates: Callable | None = None,
         stick_the_landing: bool | None = None,
         num_summary_samples: int = 1000,
+        control_variate: bool = True,
     ) -> None:
+        if not isinstance(control_variate, bool):
+            raise ValueError(f"control_variate must be True or False, got {control_variate!r}")
         if not (isinstance(num_summary_samples, int) and num_summary_samples > 1):
             raise ValueError(f"num_summary_samples must be an integer above 1, got {num_summary_samples!r}")
         if covariance not in _COVARIANCES:
@@ -183,6 +188,7 @@ class AutoBranchGuide(HierarchicalGuide):
         self.conditional_form = conditional
         self.stick_the_landing = stick_the_landing
         self.num_summary_samples = num_summary_samples
+        self.control_variate = control_variate
         self._init_scale = float(init_scale)
         super().__init__(model, init_loc_fn=init_loc_fn, create_plates=create_plates)
 
@@ -215,6 +221,7 @@ class AutoBranchGuide(HierarchicalGuide):
         self._hooked: dict[str, weakref.ref] = {}
         self._refreshes: dict[str, int] = {}  # references redone per conjugate level (in this process)
         self._quadratic: dict[str, bool] = {}  # conjugate level -> the rest of the model is quadratic in it
+        self._per_element_globals: dict[str, bool] = {}  # level -> the model takes the globals per element (checked)
         for level in self.levels:
             if level.name in self.conjugate_levels:
                 self._setup_conjugate_level(level, self._init_level(level))
@@ -293,12 +300,27 @@ class AutoBranchGuide(HierarchicalGuide):
             d_g = self._global_level.numel
             state["slope"] = init.new_zeros((*level.batch_shape, d, d_g))
             state["stretch_slope"] = init.new_zeros((*level.batch_shape, d, d_g))
+        if self._has_control_variate(level):  # each element's last gradient of its term in the globals (SAGA table)
+            state["cv_gradient"] = init.new_zeros((*level.batch_shape, self._global_level.numel))
         if not self._conjugate_diagonal(level):
             state["precision"] = init.new_zeros((*level.batch_shape, d, d))
             state["fisher_sd"] = torch.eye(d, dtype=init.dtype, device=init.device).expand((*level.batch_shape, d, d))
             state["fisher_sd"] = state["fisher_sd"].clone()
         for key, value in state.items():
             setattr(self.references, f"{level.name}__{key}", PyroParam(value, constraints.real))
+
+    def _has_control_variate(self, level: PlateLevel) -> bool:
+        """Whether a conjugate level's term in the globals' gradient gets the SAGA control variate
+        (:meth:`_control_variate_term`): with ``control_variate=True``, for a level whose only ancestor is the global
+        level."""
+        glob = self._global_level
+        return (
+            self.control_variate
+            and glob is not None
+            and glob is not level
+            and tuple(level.ancestors) == (glob.name,)
+            and self._per_element_globals.get(level.name, True)
+        )
 
     def _has_slopes(self, level: PlateLevel) -> bool:
         """Whether a conjugate level's pseudo-observation moves with the globals (``covariance="dense"``)."""
@@ -852,6 +874,7 @@ class AutoBranchGuide(HierarchicalGuide):
                 with poutine.block(), self._summary_call(args, kwargs) as (full_args, full_kwargs):
                     self._refresh_references(full_args, full_kwargs, self._full_plates(), training=False)
             self._refresh_references(args, kwargs, plates, training)
+        terms = []
         try:
             for level in self.levels:
                 q = self._call_distribution(level, args, kwargs, values, result, plates)
@@ -861,9 +884,131 @@ class AutoBranchGuide(HierarchicalGuide):
                     values[level.name] = u
                     for name in level.sites:
                         result[name] = self._emit(name, self._site_unconstrained(level, name, u))
+                if training and self._control_variate_applies(level, plates, values):
+                    terms.append(self._control_variate_term(level, q, args, kwargs, values, result, plates))
         finally:
             self._gathers = outer
+        if terms:  # zero-valued: only the globals' gradient moves (q's log density, and so the ELBO, unchanged)
+            pyro.factor(f"_{self._pyro_name}_control_variate", sum(terms), has_rsample=True)
         return result
+
+    def _control_variate_applies(self, level: PlateLevel, plates: dict, values: dict[str, torch.Tensor]) -> bool:
+        """Whether this training call's draw of ``level`` gets the control variate: a level with one
+        (:meth:`_has_control_variate`) whose plates this call subsamples, one draw of the globals (not vectorised
+        particles), densities not masked out."""
+        if not self._has_control_variate(level) or poutine.get_mask() is False or not am_i_wrapped():
+            return False  # (unwrapped: a direct call, no ELBO to move)
+        assert self.structure is not None and self._global_level is not None
+        if values[self._global_level.name].dim() != 1:
+            return False
+        return any(_subsample_size(plates[p]) < self.structure.plates[p].size for p in level.plates)
+
+    def _control_variate_term(
+        self,
+        level: PlateLevel,
+        q: dist.TorchDistribution,
+        args: tuple,
+        kwargs: dict,
+        values: dict[str, torch.Tensor],
+        result: dict[str, torch.Tensor],
+        plates: dict,
+    ) -> torch.Tensor:
+        r"""The guide-side log factor (zero-valued) of the SAGA control variate of a conjugate level's elements in the
+        globals' gradient (Defazio, Bach & Lacoste-Julien 2014).
+
+        With :math:`\theta` the globals' draw, the level's element :math:`i` enters the ELBO's gradient in
+        :math:`\theta` through :math:`\nabla_\theta \log \int p(u_i \mid \theta)\,
+        \mathcal N(t_i; u_i, \Lambda_i^{-1})\,du_i = E_{q(u_i \mid \theta)}[\nabla_\theta \log p(u_i \mid \theta)]`
+        (exactly where the pseudo-observation is the likelihood, as on Gaussian data): a minibatch of :math:`B` of the
+        :math:`N` elements estimates their sum with the spread of the elements' gradients, times :math:`N/B`. The table
+        ``references.<level>__cv_gradient`` keeps :math:`T_i`, element :math:`i`'s gradient at its last training call;
+        the globals' gradient gets :math:`\sum_{\text{all}} T_i - (N/B)\sum_{i \in B} T_i` (zero mean over the
+        minibatches, whatever the table), as the term :math:`c^\top\theta - (c^\top\theta)_{\text{stop}}`, through the
+        draw's reparameterisation (loc and scale alike). What remains of the minibatch's noise is the change of each
+        element's gradient since its last visit. The call's elements' :math:`T_i` are then rewritten in the backward
+        pass, from :math:`E_q[\log p(u_i \mid \theta_i)]` at per-element copies :math:`\theta_i` of the draw (the
+        prior conditional read from the model with the globals given per element; q's moments held), by
+        :class:`_GradientTap`, which runs under JIT ELBOs too."""
+        glob = self._global_level
+        assert glob is not None and self.structure is not None
+        u_g = values[glob.name]
+        table = _state_tensor(getattr(self.references, f"{level.name}__cv_gradient"))
+        selection = element_selection(plates, level.plates, level.dims)
+        rows = select_elements(table.detach(), selection, 1)
+        scale = math.prod(self.structure.plates[p].size for p in level.plates) / max(
+            1, math.prod(_subsample_size(plates[p]) for p in level.plates)
+        )
+        batch = tuple(range(rows.dim() - 1))
+        c = table.detach().sum(tuple(range(table.dim() - 1))) - scale * rows.sum(batch)
+        term = -(c * u_g).sum()  # (the guide's log density gets -c.θ: the ELBO +c.θ)
+        term = term - term.detach()
+        dims = tuple(dim for dim, ix in selection.items() if ix is not None)
+        copies, probe = _GradientTap.apply(u_g, rows, table, dims, *(selection[d] for d in dims))
+        fn = q.sampler if isinstance(q, StickingTheLanding) else q
+        while isinstance(fn, dist.Independent):
+            fn = fn.base_dist
+        mean = fn.mean.detach()
+        if isinstance(fn, torch.distributions.MultivariateNormal):
+            cov = fn.covariance_matrix.detach()
+        else:
+            cov = fn.variance.detach()
+        subsamples = plate_indices(plates)
+        priors = []
+        checked = level.name in self._per_element_globals
+        try:
+            for u in (copies, copies.detach()):  # the same value twice: gradients but the copies' cancel exactly
+                given = {**result, **self._level_values(glob, u)}
+                fns, _ = capture_priors(self.model, args, kwargs, given, level.sites, subsamples)
+                priors.append(self._level_prior(level, fns))
+        except (RuntimeError, ValueError, IndexError) as error:
+            if checked:
+                raise
+            priors = [None, error]
+        if not checked and not self._check_per_element_globals(level, priors[1], args, kwargs, result, subsamples):
+            return term.new_zeros(())
+        expected = [expected_log_density(prior, mean, cov).sum() for prior in priors]
+        return term + (expected[0] - expected[1]) + (probe - probe.detach())
+
+    @torch.no_grad()
+    def _check_per_element_globals(
+        self,
+        level: PlateLevel,
+        prior: GaussianPrior | Exception,
+        args: tuple,
+        kwargs: dict,
+        result: dict,
+        subsamples: dict,
+    ) -> bool:
+        """Whether the model, given the globals as one copy per element of ``level`` (batched along its plates), reads
+        the same prior conditional ``prior`` (or raised it) as from the globals themselves: the control variate's
+        per-element gradients need it (a model that indexes a global's own batch dims from the left does not
+        broadcast so). Checked once per level (on the first training call, which JIT ELBOs run in Python); where it
+        fails the control variate is turned off for the level, with a warning."""
+        assert self._global_level is not None
+        fns, _ = capture_priors(self.model, args, kwargs, dict(result), level.sites, subsamples)
+        shared = self._level_prior(level, fns)
+        same = isinstance(prior, GaussianPrior)
+        for a, b in ((prior.loc, shared.loc), (prior.precision, shared.precision)) if same else ():
+            try:
+                shape = torch.broadcast_shapes(a.shape, b.shape)
+            except RuntimeError:
+                same = False
+                break
+            same = same and a.shape == shape and bool(torch.allclose(a, b.expand(shape), rtol=1e-5, atol=1e-6))
+        self._per_element_globals[level.name] = same
+        if not same:
+            reason = f" ({prior})" if isinstance(prior, Exception) else ""
+            warnings.warn(
+                f"AutoBranchGuide: the model does not broadcast the globals {list(self._global_level.sites)} given "
+                f"per element of plates {list(level.plates)} (its prior conditional of {list(level.sites)} "
+                f"differs{reason}), "
+                "so the control variate on the globals' gradient is off for this level; write the model so that "
+                "globals broadcast from the right (as Pyro's vectorised particles need), or pass "
+                "control_variate=False",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return same
 
     def _call_distribution(
         self,
@@ -1131,6 +1276,50 @@ class AutoBranchGuide(HierarchicalGuide):
             name: self._constrain(name, self._site_unconstrained(level, name, u, broadcast=False))
             for name in level.sites
         }
+
+
+class _GradientTap(torch.autograd.Function):
+    """``(copies, probe) = _GradientTap.apply(u, rows, table, dims, *indices)``: per-element copies of the globals'
+    draw ``u (d_g,)`` shaped as ``rows (..., d_g)`` (the call's rows of ``table``) and a scalar 1. The backward pass
+    gives ``u`` no gradient; it writes each copy's gradient, divided by the probe's (the loss's own weight on the
+    term: 1/particles), into ``table`` at the call's elements (``indices`` of the plates at ``dims``)."""
+
+    @staticmethod
+    def forward(ctx, u, rows, table, dims, *indices):
+        ctx.table, ctx.dims, ctx.indices, ctx.shape = table, dims, indices, u.shape
+        return u.detach().expand(rows.shape).clone(), u.new_ones(())
+
+    @staticmethod
+    def backward(ctx, grad, probe):
+        with torch.no_grad():
+            weight = float(probe)
+            if weight != 0.0 and grad is not None:
+                selection = dict(zip(ctx.dims, ctx.indices, strict=True))
+                index = _element_index(ctx.table, selection, 1)
+                ctx.table[index] = (grad / weight).to(ctx.table.dtype).expand(ctx.table[index].shape)
+        return (
+            torch.zeros(ctx.shape, dtype=grad.dtype, device=grad.device),
+            None,
+            None,
+            None,
+            *([None] * len(ctx.indices)),
+        )
+
+
+def expected_log_density(prior: GaussianPrior, mean: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
+    r""":math:`E_{\mathcal N(u;\, m, \Sigma)}[\log \mathcal N(u;\, \mu, P^{-1})]` up to :math:`-\tfrac d2\log 2\pi`,
+    per batch element: :math:`\tfrac12\log|P| - \tfrac12 (m-\mu)^\top P (m-\mu) - \tfrac12\operatorname{tr}(P\Sigma)`,
+    with ``prior`` :math:`(\mu, P)` and ``cov`` :math:`\Sigma` full ``(..., d, d)`` or its diagonal ``(..., d)``."""
+    diff = mean - prior.loc
+    if prior.diagonal:
+        var = cov.diagonal(dim1=-2, dim2=-1) if cov.dim() == mean.dim() + 1 else cov
+        p = prior.precision
+        return 0.5 * (p.log().sum(-1) - (p * (diff.pow(2) + var)).sum(-1))
+    p = prior.precision
+    full = cov if cov.dim() == mean.dim() + 1 else torch.diag_embed(cov)
+    quad = (diff.unsqueeze(-2) @ p @ diff.unsqueeze(-1)).squeeze(-1).squeeze(-1)
+    trace = (p * full.mT).sum((-2, -1))
+    return 0.5 * (torch.linalg.slogdet(p)[1] - quad - trace)
 
 
 def _state_tensor(value: torch.Tensor) -> torch.Tensor:
