@@ -333,20 +333,24 @@ def test_control_variate_has_zero_value_and_zero_mean_gradient(monkeypatch):
     held) the gradient equals the gradient without it (each minibatch's differs: the test can fail)."""
     p = synthetic_regression(num_groups=6, num_obs=10, dim=3, seed=1)
     guide = _cv_guide(p, 2)
+    guide.stick_the_landing = True  # (the default's globals stick only with the control variate: here both ways)
     monkeypatch.setattr(branch_module, "REFERENCE_EVERY", 10**9)  # (one family throughout: no rebase mid-test)
     table = guide.references.groups__cv_gradient
     assert table.shape == (6, 1, 3)
+    state = [getattr(guide.references, f"groups__cv_{key}") for key in ("gradient", "point", "secant")]
     with torch.no_grad():
-        table.copy_(torch.randn(table.shape))
-    held = table.detach().clone()
+        for x in state:
+            x.copy_(torch.randn(x.shape))
+    held = [x.detach().clone() for x in state]
     with_cv, without = [], []
     for subset in itertools.combinations(range(6), 2):
         idx = torch.tensor(subset)
         guide.control_variate = True
         loss, g = _globals_gradient(p, guide, idx, seed=3)
-        assert not torch.equal(table, held)  # the backward pass wrote the minibatch's rows
+        assert not torch.equal(table, held[0])  # the backward pass wrote the minibatch's rows
         with torch.no_grad():
-            table.copy_(held)
+            for x, h in zip(state, held, strict=True):
+                x.copy_(h)
         guide.control_variate = False
         loss_off, g_off = _globals_gradient(p, guide, idx, seed=3)
         torch.testing.assert_close(loss, loss_off, rtol=0, atol=0)
@@ -370,6 +374,7 @@ def test_control_variate_writes_each_groups_gradient():
     q_mean = traced.trace.nodes["_AutoBranchGuide_groups_unconstrained"]["fn"].sampler.mean.detach()
     torch.testing.assert_close(table[idx], q_mean - theta, rtol=1e-4, atol=1e-4)
     assert (table[outside] == 0).all()
+    torch.testing.assert_close(guide.references.groups__cv_point.detach()[idx], theta.expand(4, 1, 2))
     guide = _cv_guide(p, 4)
     svi = SVI(p.model, guide, pyro.optim.SGD({"lr": 0.0}), JitTrace_ELBO(ignore_jit_warnings=True))
     rows = []
@@ -413,3 +418,18 @@ def test_control_variate_table_round_trips(tmp_path):
     off = AutoBranchGuide(p.model, control_variate=False)
     off(*p.args, subsample=torch.arange(4))
     assert not hasattr(off.references, "groups__cv_gradient")
+
+
+def test_control_variate_shared_curvature_is_the_groups_mean_hessian():
+    """Each regression group's gradient in θ is linear, with Hessian P_i − I: the secant estimate from revisited groups
+    recovers their mean (the globals move only by their draws here: rate 0)."""
+    p = synthetic_regression(num_groups=40, num_obs=5, dim=2, seed=0)
+    guide = _cv_guide(p, 10)
+    svi = SVI(p.model, guide, pyro.optim.SGD({"lr": 0.0}), Trace_ELBO())
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        svi.step(*p.args, torch.randperm(40, generator=gen)[:10].sort().values)
+    h = branch_module.shared_curvature(guide.references.groups__cv_secant.detach())
+    expected = (p.P - torch.eye(2, dtype=p.P.dtype)).mean(0).to(h.dtype)
+    torch.testing.assert_close(h, expected, rtol=0, atol=0.06)  # (a Δθ-weighted mean over the groups)
+    assert expected.abs().max() > 0.3
