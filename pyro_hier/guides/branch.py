@@ -163,6 +163,10 @@ class AutoBranchGuide(HierarchicalGuide):
         numbers per element, with the draw it was taken at), the minibatch's sum is replaced by the table's sum
         corrected by the minibatch, and what is left of the minibatch noise is how much each element's gradient
         changed since its last visit. The ELBO's value, ``Predictive`` and calls without gradients are unchanged.
+        Measured on the synthetic regression (benchmarks/crossover.py, defaults, CPU s to 0.1 sd over θ and every
+        z_i): 10^3 groups 36.8 → 18.4 s; 10^4 194 → 194 s (final error 0.006 sd); 10^5 not reached in 740 s either
+        way (final 0.256 → 0.151 sd). Cost: about 30% more per step on minibatches of 20 radon counties, none seen
+        at 10^4 groups a step.
 
     References: A. Agrawal, J. Domke, *Amortized Variational Inference for Simple Hierarchical Models*, NeurIPS 2021;
     G. Roeder, Y. Wu, D. Duvenaud, *Sticking the Landing*, NeurIPS 2017; B. Polyak, A. Juditsky, *Acceleration of
