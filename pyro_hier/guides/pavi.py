@@ -682,10 +682,10 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             ndim = len(level.batch_shape)
             parts = [info, natural]
             if slopes is not None:
-                natural = natural - (slopes[0] @ ref.unsqueeze(-1)).squeeze(-1)
                 e = (-(slopes[1] @ ref.unsqueeze(-1)).squeeze(-1)).exp()
+                natural = e.pow(2) * (natural - (slopes[0] @ ref.unsqueeze(-1)).squeeze(-1))
                 info = e * info * e if info.dim() == natural.dim() else e.unsqueeze(-1) * info * e.unsqueeze(-2)
-                parts = [info, natural, *slopes]
+                parts = [info, natural, e.pow(2).unsqueeze(-1) * slopes[0], slopes[1]]
             parts.append(torch.ones_like(natural[..., :1]))  # seen
             if name not in self._data_tables:
                 self._data_tables[name] = [t.new_zeros(level.batch_shape + t.shape[ndim:]) for t in parts]
@@ -711,9 +711,9 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             info, natural = parts[0], parts[1]
             slopes = None
             if len(parts) == 5:
-                slopes = (parts[2], parts[3])
-                natural = natural + (slopes[0] @ ref.unsqueeze(-1)).squeeze(-1)
-                e = (slopes[1] @ ref.unsqueeze(-1)).squeeze(-1).exp()
+                e = (parts[3] @ ref.unsqueeze(-1)).squeeze(-1).exp()
+                natural = e.pow(2) * (natural + (parts[2] @ ref.unsqueeze(-1)).squeeze(-1))
+                slopes = (e.pow(2).unsqueeze(-1) * parts[2], parts[3])
                 info = e * info * e if info.dim() == natural.dim() else e.unsqueeze(-1) * info * e.unsqueeze(-2)
             made[name] = (info, natural, slopes)
         return made
@@ -790,6 +790,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                 quadratic = bool(torch.allclose(moved, curvature, rtol=1e-4, atol=tolerance))
                 nodes = SLOPE_NODES if quadratic else DERIVATIVE_STEP
                 width = ref_sd * nodes
+                log_ref = curvature.diagonal(dim1=-2, dim2=-1).clamp(min=floor).log()
                 targets, logs = [], []
                 for k in range(glob.numel):
                     pair = []
@@ -799,7 +800,9 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                         g, f = expand({**values, **self._global_values(shifted)}, centre)
                         diag = f.diagonal(dim1=-2, dim2=-1)
                         nat = diag * centre + g if diagonal else (f @ centre.unsqueeze(-1)).squeeze(-1) + g
-                        pair.append((nat, diag.clamp(min=floor).log()))
+                        log_diag = diag.clamp(min=floor).log()
+                        # the natural parameter in the stretch's units, η Λ̄ / Λ (= Λ̄ t in one dimension)
+                        pair.append((nat * (log_ref - log_diag).exp(), log_diag))
                     targets.append((pair[0][0] - pair[1][0]) / (2 * width[..., k]))
                     logs.append((pair[0][1] - pair[1][1]) / (4 * width[..., k]))  # log √Λ: half the log precision
                 slopes = (torch.stack(targets, -1), torch.stack(logs, -1))
@@ -1079,9 +1082,9 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         diagonal = info.dim() == natural.dim()
         if slopes is not None:
             delta = (cascade.global_vector() - self._state("ref_mean")).unsqueeze(-1)
-            natural = natural + (slopes[0] @ delta).squeeze(-1)
             # (e^{±15} ≈ 3e6: a draw that far from the reference, early in a run, must not overflow float32)
             stretch = (slopes[1] @ delta).squeeze(-1).clamp(-STRETCH_LIMIT, STRETCH_LIMIT).exp()
+            natural = stretch.pow(2) * (natural + (slopes[0] @ delta).squeeze(-1))
             if diagonal:
                 info = stretch * info * stretch
             else:
