@@ -790,7 +790,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                 quadratic = bool(torch.allclose(moved, curvature, rtol=1e-4, atol=tolerance))
                 nodes = SLOPE_NODES if quadratic else DERIVATIVE_STEP
                 width = ref_sd * nodes
-                log_ref = curvature.diagonal(dim1=-2, dim2=-1).clamp(min=floor).log()
+                ref_diag = info if diagonal else info.diagonal(dim1=-2, dim2=-1)
                 targets, logs = [], []
                 for k in range(glob.numel):
                     pair = []
@@ -801,8 +801,9 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                         diag = f.diagonal(dim1=-2, dim2=-1)
                         nat = diag * centre + g if diagonal else (f @ centre.unsqueeze(-1)).squeeze(-1) + g
                         log_diag = diag.clamp(min=floor).log()
-                        # the natural parameter in the stretch's units, η Λ̄ / Λ (= Λ̄ t in one dimension)
-                        pair.append((nat * (log_ref - log_diag).exp(), log_diag))
+                        # the natural parameter in the stretch's units, η Λ̄ / Λ (= Λ̄ t in one dimension, with the
+                        # reference's Λ̄ of q0 itself: a floor there would pull with more than the data's weight)
+                        pair.append((nat * ref_diag / diag.clamp(min=floor), log_diag))
                     targets.append((pair[0][0] - pair[1][0]) / (2 * width[..., k]))
                     logs.append((pair[0][1] - pair[1][1]) / (4 * width[..., k]))  # log √Λ: half the log precision
                 slopes = (torch.stack(targets, -1), torch.stack(logs, -1))
