@@ -26,7 +26,8 @@ __all__ = ["FLOWS", "NETWORK_RATE", "ConditionalAffine", "FreeAffine", "make_flo
 #: weights a tenth as fast as the free parameters. Measured on radon (Uniform priors) in the drop-in loop at Adam's
 #: rate 0.05 (seeds 0, 1): with 1, the noise scale's q swung ±5–20 posterior sds between checkpoints and came out
 #: 3–8× too wide, its spread carried by weights on the ancestors' base samples that each moved by the learning rate
-#: per step (max error 0.64 and 1.20); with 0.1, 0.34 and 0.29 (AutoNormal 0.76, 0.59), and 0.33 at rate 0.01.
+#: per step (max error 0.64 and 1.20); with 0.1, 0.34 and 0.29 emulated by per-group optimiser rates, 0.27 (seed 1)
+#: as implemented (AutoNormal 0.76, 0.59); at rate 0.01, 0.23/0.19/0.32 on seeds 0–2 (AutoNormal 0.67/0.64/0.68).
 NETWORK_RATE = 0.1
 
 
