@@ -28,6 +28,7 @@ from pyro_hier.conjugate import (
 )
 from pyro_hier.distributions import StickingTheLanding
 from pyro_hier.gather_maps import CallGathers, GatherMaps, full_call_gathers, full_data_call
+from pyro_hier.gathers import keep_random_state
 from pyro_hier.guides.base import HierarchicalGuide, concat_broadcast
 from pyro_hier.optim import tail_average_update
 from pyro_hier.plates import PlateCall, element_selection, enter_plates, plate_indices
@@ -326,6 +327,7 @@ class AutoBranchGuide(HierarchicalGuide):
             state["fisher_sd"] = state["fisher_sd"].clone()
         for key, value in state.items():
             setattr(self.references, f"{level.name}__{key}", PyroParam(value, constraints.real))
+            getattr(self.references, f"{level.name}__{key}")  # (read once: a trace of this call records the parameter)
 
     def _has_control_variate(self, level: PlateLevel) -> bool:
         """Whether a conjugate level's term in the globals' gradient gets the SAGA control variate
@@ -1027,7 +1029,8 @@ class AutoBranchGuide(HierarchicalGuide):
         broadcast so). Checked once per level (on the first training call, which JIT ELBOs run in Python); where it
         fails the control variate is turned off for the level, with a warning."""
         assert self._global_level is not None
-        fns, _ = capture_priors(self.model, args, kwargs, dict(result), level.sites, subsamples)
+        with keep_random_state():  # (checked on the first training call of this process: a resumed run's differs)
+            fns, _ = capture_priors(self.model, args, kwargs, dict(result), level.sites, subsamples)
         shared = self._level_prior(level, fns)
         same = isinstance(prior, GaussianPrior)
         for a, b in ((prior.loc, shared.loc), (prior.precision, shared.precision)) if same else ():

@@ -737,3 +737,22 @@ def test_a_subsample_pyro_draws_at_random_is_read_anew_on_every_call(name):
     if name.startswith("branch") or name in AMORTIZED_CONJUGATE:  # summaries need the plate in full: Pyro refuses
         with pytest.raises(StructureError, match=r"plate 'groups' in full.*subsample_size="):
             guide.median(y)
+
+
+#: guides without torch networks: Pyro's SVI cannot step a ``PyroModule[nn.Linear]``'s weights under
+#: ``module_local_params`` (SVI reads ``.unconstrained()`` of every parameter site; a plain ``nn.Parameter`` has none:
+#: Pyro 1.9.2: a one-layer guide written with Pyro alone fails the same way), so the network guides are not tested
+#: with it
+WITHOUT_NETWORKS = [n for n in NAMES if n.startswith(("autonormal", "branch")) or n == "hvm-mixture"]
+
+
+@pytest.mark.parametrize("name", WITHOUT_NETWORKS)
+def test_module_local_params(name):
+    """With ``pyro.settings.set(module_local_params=True)`` (each module keeps its own parameters, as the tutorials
+    use) the first SVI step records every parameter the guide creates as a parameter (SVI reads ``.unconstrained()``
+    of each; a state tensor created inside the traced call was recorded as its plain initial value)."""
+    y = toy_data()
+    with pyro.settings.context(module_local_params=True):
+        guide = GUIDES[name](toy_model)
+        fit(guide, toy_model, y, steps=2)
+        fit(guide, toy_model, y, steps=1, subsample=torch.tensor([0, 2, 3]))
