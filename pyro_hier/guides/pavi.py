@@ -34,7 +34,7 @@ from pyro_hier.conjugate import (
 from pyro_hier.distributions import StickingTheLanding
 from pyro_hier.encoders import DeepSetEncoder, FreeEncoding, FrozenPositions, SiteData
 from pyro_hier.errors import StructureError
-from pyro_hier.flows import NETWORK_RATE, FreeAffine, make_flow
+from pyro_hier.flows import FreeAffine, make_flow
 from pyro_hier.gather_maps import GatherMaps, full_data_call
 from pyro_hier.gathers import keep_random_state
 from pyro_hier.guides.base import HierarchicalGuide, concat_broadcast, empirical_quantiles, parameter_keys
@@ -242,14 +242,6 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
     :param init_scale: q's initial spread in unconstrained space (sd of a Gaussian prior; for others, the
         interquartile range / 1.349). ``None`` (default): the prior's spread. (Conjugate sites start at
         :math:`q_0`.)
-    :param network_rate: how fast Adam moves the flows' networks relative to the free parameters (an internal rate
-        multiplier, :class:`~pyro_hier.nn.RateLinear`; the named flows' conditional affine block). ``None``
-        (default): :data:`~pyro_hier.flows.NETWORK_RATE` (0.1) with the conjugate conditional, where :math:`q_0`
-        carries each element's location and the networks correct it and condition on the ancestors — at the full
-        rate their weights' step noise, carried to every draw through contexts of order one, made radon's noise
-        scale 3–8× too wide at Adam's rate 0.05 (max error 1.20 against AutoNormal's 0.59; 0.27 with 0.1) — and 1
-        with ``conditional="pushforward"``, where the networks must carry each element's location themselves (0.1
-        took radon's county means from 0.25 to 0.62 reference sds after 3,000 steps there).
     :param num_summary_samples: draws behind ``median`` and ``quantiles``.
     :param tail_average: the fraction of the training steps so far over which the parameters are averaged for
         calls without gradients (see "Tail average" above); ``None`` uses the last iterate everywhere.
@@ -275,7 +267,6 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         num_summary_samples: int = 1000,
         tail_average: float | None = 0.1,
         conditional: str | None = None,
-        network_rate: float | None = None,
     ) -> None:
         if encoder not in _ENCODERS:
             raise ValueError(f"encoder must be one of {_ENCODERS}, got {encoder!r}")
@@ -310,11 +301,6 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         if conditional not in _CONDITIONALS:
             raise ValueError(f"conditional must be one of {_CONDITIONALS} or None, got {conditional!r}")
         self.conditional = conditional
-        if network_rate is None:
-            network_rate = NETWORK_RATE if conditional == "conjugate" else 1.0
-        if not (isinstance(network_rate, int | float) and 0 < network_rate and math.isfinite(network_rate)):
-            raise ValueError(f"network_rate must be None or a positive number, got {network_rate!r}")
-        self.network_rate = float(network_rate)
         self._hooked: weakref.ref | None = None
         self._average_pairs: tuple = ()
         self._expansion: tuple | None = None  # (call key, {site: the model's pseudo-observation}) of the last refresh
@@ -417,9 +403,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                 self._context_levels[name] = ()
             context_dim = self.encoding_size * (1 + len(self._context_levels[name]))
             context_dim += sum(structure.latent[a].element_numel for a in ancestors)
-            self.flows[self._keys[name]] = make_flow(
-                self.flow_spec, site.element_numel, context_dim, self.flow_hidden, self.network_rate
-            )
+            self.flows[self._keys[name]] = make_flow(self.flow_spec, site.element_numel, context_dim, self.flow_hidden)
         if self.encoder_kind == "free":
             self.encoder = FreeEncoding(self.levels, self.encoding_size, like)
         else:
@@ -698,10 +682,10 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             ndim = len(level.batch_shape)
             parts = [info, natural]
             if slopes is not None:
+                natural = natural - (slopes[0] @ ref.unsqueeze(-1)).squeeze(-1)
                 e = (-(slopes[1] @ ref.unsqueeze(-1)).squeeze(-1)).exp()
-                natural = e.pow(2) * (natural - (slopes[0] @ ref.unsqueeze(-1)).squeeze(-1))
                 info = e * info * e if info.dim() == natural.dim() else e.unsqueeze(-1) * info * e.unsqueeze(-2)
-                parts = [info, natural, e.pow(2).unsqueeze(-1) * slopes[0], slopes[1]]
+                parts = [info, natural, *slopes]
             parts.append(torch.ones_like(natural[..., :1]))  # seen
             if name not in self._data_tables:
                 self._data_tables[name] = [t.new_zeros(level.batch_shape + t.shape[ndim:]) for t in parts]
@@ -727,9 +711,9 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             info, natural = parts[0], parts[1]
             slopes = None
             if len(parts) == 5:
-                e = (parts[3] @ ref.unsqueeze(-1)).squeeze(-1).exp()
-                natural = e.pow(2) * (natural + (parts[2] @ ref.unsqueeze(-1)).squeeze(-1))
-                slopes = (e.pow(2).unsqueeze(-1) * parts[2], parts[3])
+                slopes = (parts[2], parts[3])
+                natural = natural + (slopes[0] @ ref.unsqueeze(-1)).squeeze(-1)
+                e = (slopes[1] @ ref.unsqueeze(-1)).squeeze(-1).exp()
                 info = e * info * e if info.dim() == natural.dim() else e.unsqueeze(-1) * info * e.unsqueeze(-2)
             made[name] = (info, natural, slopes)
         return made
@@ -806,7 +790,6 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                 quadratic = bool(torch.allclose(moved, curvature, rtol=1e-4, atol=tolerance))
                 nodes = SLOPE_NODES if quadratic else DERIVATIVE_STEP
                 width = ref_sd * nodes
-                ref_diag = info if diagonal else info.diagonal(dim1=-2, dim2=-1)
                 targets, logs = [], []
                 for k in range(glob.numel):
                     pair = []
@@ -816,10 +799,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                         g, f = expand({**values, **self._global_values(shifted)}, centre)
                         diag = f.diagonal(dim1=-2, dim2=-1)
                         nat = diag * centre + g if diagonal else (f @ centre.unsqueeze(-1)).squeeze(-1) + g
-                        log_diag = diag.clamp(min=floor).log()
-                        # the natural parameter in the stretch's units, η Λ̄ / Λ (= Λ̄ t in one dimension, with the
-                        # reference's Λ̄ of q0 itself: a floor there would pull with more than the data's weight)
-                        pair.append((nat * ref_diag / diag.clamp(min=floor), log_diag))
+                        pair.append((nat, diag.clamp(min=floor).log()))
                     targets.append((pair[0][0] - pair[1][0]) / (2 * width[..., k]))
                     logs.append((pair[0][1] - pair[1][1]) / (4 * width[..., k]))  # log √Λ: half the log precision
                 slopes = (torch.stack(targets, -1), torch.stack(logs, -1))
@@ -1099,9 +1079,9 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         diagonal = info.dim() == natural.dim()
         if slopes is not None:
             delta = (cascade.global_vector() - self._state("ref_mean")).unsqueeze(-1)
+            natural = natural + (slopes[0] @ delta).squeeze(-1)
             # (e^{±15} ≈ 3e6: a draw that far from the reference, early in a run, must not overflow float32)
             stretch = (slopes[1] @ delta).squeeze(-1).clamp(-STRETCH_LIMIT, STRETCH_LIMIT).exp()
-            natural = stretch.pow(2) * (natural + (slopes[0] @ delta).squeeze(-1))
             if diagonal:
                 info = stretch * info * stretch
             else:

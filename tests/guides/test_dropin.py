@@ -14,11 +14,8 @@ the summaries, shortened runs with bounds loose enough for their budget but far 
   posterior sd, the collapse its full drop-in run ended in (0.685). (The guard before, 500 steps at rate 0.05 on the
   Uniform priors, measured 0.33 on that default and 1.21 on this one: the county scale's location is not there yet
   after 500 steps; after the full 5,000 steps at rate 0.01 this default is the better one on both priors.)
-- ``AutoPlateAmortizedFlow``: 500 steps at rate 0.05. Measured when written (500 draws, seed 0): max error 0.20, sd
-  ratios up to 1.53 (AutoNormal 2.8–3.0 at this budget); with the flows' networks at Adam's full rate
-  (``network_rate=1``, the previous default) 0.75 (sd ratios up to 1.14), and 0.97 after 5,000 steps at this rate
-  before the pseudo-observation's mean extrapolated in the stretch's units. Earlier: 0.47, sd ratios up to 1.11.
-  The default before that (PAVI's own form: the flow pushing the
+- ``AutoPlateAmortizedFlow``: 500 steps at rate 0.05. Measured when written (500 draws, seed 0): max error 0.47, sd
+  ratios up to 1.11 (AutoNormal 2.8–3.0 at this budget). The previous default (PAVI's own form: the flow pushing the
   prior conditional forward, ``encoder="free"``, ``flow="affine+maf"``, no ancestors in the context) gave 0.84 with
   sd ratios 0.37–1.3, and 1.37 after the full 5,000 steps at rate 0.01; with ``condition_on_ancestors=True`` 3.2
   (sd ratios 0.57–1.84); a conjugate conditional whose pseudo-observation came from the flow's network 2.4.
@@ -85,8 +82,8 @@ def test_default_hierarchical_vm_in_the_users_loop_on_radon():
 def test_default_plate_amortized_flow_in_the_users_loop_on_radon():
     loss, error, ratio, _ = fit_in_the_users_loop(AutoPlateAmortizedFlow, steps=500, lr=0.05, draws=500, parallel=True)
     assert math.isfinite(loss) and loss < 1200  # the posterior's -ELBO is about 1090
-    assert error < 0.45, error
-    assert ratio < 1.8, ratio
+    assert error < 0.7, error
+    assert ratio < 1.5, ratio
 
 
 def test_default_amortized_branch_guide_in_the_users_loop_on_radon():
