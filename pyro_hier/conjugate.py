@@ -440,7 +440,16 @@ def gaussian_log_normaliser(prior: GaussianPrior, precision: torch.Tensor, natur
     :math:`\eta` = ``natural`` ``(..., d)``. As a function of the prior's mean and precision (of the parents' values)
     it is the marginal likelihood of the level's elements under the pseudo-observation: the message a conjugate
     level sends to its parents. For a pseudo-observation :math:`\mathcal N(t;\ u, \Lambda^{-1})` it equals
-    :math:`\log \mathcal N(t;\ m_0, P_0^{-1} + \Lambda^{-1})` up to a constant in :math:`(m_0, P_0)`."""
+    :math:`\log \mathcal N(t;\ m_0, P_0^{-1} + \Lambda^{-1})` up to a constant in :math:`(m_0, P_0)`.
+
+    Example (one coordinate: a group mean ``t`` of ``n`` observations of noise ``σ`` under ``N(a, s²)``)::
+
+        prior = GaussianPrior(loc=a.unsqueeze(-1), precision=torch.full_like(a, s**-2).unsqueeze(-1))
+        lam = torch.full_like(t, n / sigma**2)
+        log_z = gaussian_log_normaliser(prior, lam, lam * t)  # log N(t; a, s² + σ²/n) + const, per group
+
+    Reference: C. M. Bishop, *Pattern Recognition and Machine Learning*, 2006, §2.3.3 (the marginal of a linear
+    Gaussian model)."""
     if prior.diagonal and precision.dim() == natural.dim():
         total = prior.precision + precision
         e = prior.precision * prior.loc + natural

@@ -132,7 +132,14 @@ def call_key(args: tuple, kwargs: dict) -> tuple:
     """Which call of the model this is, for reusing what a guide read from the model on the last one: each
     argument's identity, and a tensor's storage, shape and version counter (changed by any in-place write). Equal keys
     mean the same objects, unmodified (a full-data training loop, ``Predictive``'s draws). Whoever keeps a result under
-    a key must hold the arguments with it, so that their identities cannot be reused by other objects."""
+    a key must hold the arguments with it, so that their identities cannot be reused by other objects.
+
+    Example::
+
+        key = call_key(args, kwargs)
+        if cached is None or cached[0] != key:
+            cached = (key, args, kwargs, capture_plates(model, args, kwargs))  # (the arguments held with the key)
+    """
 
     def one(x):
         if isinstance(x, torch.Tensor):
