@@ -132,7 +132,9 @@ def call_key(args: tuple, kwargs: dict) -> tuple:
     """Which call of the model this is, for reusing what a guide read from the model on the last one: each
     argument's identity, and a tensor's storage, shape and version counter (changed by any in-place write). Equal keys
     mean the same objects, unmodified (a full-data training loop, ``Predictive``'s draws). Whoever keeps a result under
-    a key must hold the arguments with it, so that their identities cannot be reused by other objects.
+    a key must hold the arguments with it, so that their identities cannot be reused by other objects. Under
+    ``torch.jit.trace`` (Pyro's ``JitTrace_ELBO``) the key equals no other: what is read there must be recorded from
+    the traced arguments, not reused from an earlier call, or the compiled step would replay that call's values.
 
     Example::
 
@@ -146,6 +148,8 @@ def call_key(args: tuple, kwargs: dict) -> tuple:
             return (id(x), x.data_ptr(), tuple(x.shape), x._version)
         return id(x)
 
+    if torch.jit.is_tracing():  # a traced graph must not hold another call's results as constants: never equal
+        return (object(),)
     return tuple(one(a) for a in args) + tuple((k, one(v)) for k, v in sorted(kwargs.items()))
 
 

@@ -776,6 +776,9 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         gives the same expansion (a Gaussian likelihood that reads no global: three-level, the regression) the interval
         doubles, up to 64 times, and it is back at :data:`EXPANSION_EVERY` once a redo differs."""
         assert self.structure is not None and self._decoded is not None
+        if torch.jit.is_tracing():  # (JitTrace_ELBO) every element's, held; the traced step selects the call's
+            self._expanded = self._at_elements(*self._traced_expansion(args, kwargs), indices, "the call")
+            return
         key = (call_key(args, kwargs), torch.is_grad_enabled())
         calls_done = float(self.references.training_calls.detach()) if hasattr(self.references, "training_calls") else 0
         cached = self._expansion_cache
@@ -805,6 +808,31 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             every = min(2 * cached[5], EXPANSION_EVERY * 2**6)
         self._expansion_cache = (key, calls_done, refreshes, made, held, every)
         self._expanded = self._at_elements(made, held, indices, "the call")
+
+    def _traced_expansion(self, args: tuple, kwargs: dict) -> tuple[dict, dict]:
+        """Under ``torch.jit.trace`` (Pyro's JIT ELBOs): the expansions of *every* element, ``(made, held)``, from the
+        model's call on all the data, made once with the tracer paused (the expansion differentiates the model, which
+        a trace cannot record) and held as constants of the compiled step, which selects each call's elements by
+        the traced subsample indices. A compiled loop does not redo them, as the branch guide's references are held
+        under JIT; they are exact wherever the likelihood is Gaussian in the level (the expansion point does not
+        move them)."""
+        tracing = torch._C._get_tracing_state()
+        torch._C._set_tracing_state(None)
+        try:
+            with keep_random_state():
+                full_args, full_kwargs, forced = full_data_call(self.model, args, kwargs)
+                full_calls = capture_plates(self.model, full_args, full_kwargs)
+            for n, idx in forced.items():
+                full_calls[n] = PlateCall(n, full_calls[n].size, idx, False)
+            with keep_random_state():
+                made = self._expansions(full_args, full_kwargs, full_calls, 0, None)
+        finally:
+            torch._C._set_tracing_state(tracing)
+        made = {
+            name: (info.detach(), natural.detach(), None if slopes is None else tuple(t.detach() for t in slopes))
+            for name, (info, natural, slopes) in made.items()
+        }
+        return made, {p: c.indices for p, c in full_calls.items()}
 
     def _at_elements(self, made: dict, held: dict, want: dict, source: str) -> dict:
         """Expansions ``made`` at the plates' elements ``held`` cut to the elements ``want`` (the guide's plates, or

@@ -1386,7 +1386,8 @@ def shared_curvature(secant: torch.Tensor) -> torch.Tensor:
     in the globals, as the regression's :math:`-(I + \Lambda_i^{-1})^{-1}` averaged; zero before any pair)."""
     cross, gram = secant[0], secant[1]
     d = gram.shape[-1]
-    ridge = 1e-6 * gram.diagonal().sum() / d + torch.finfo(gram.dtype).tiny ** 0.5
+    trace = gram.diagonal().sum()
+    ridge = torch.where(trace > 0, 1e-6 * trace / d, torch.ones_like(trace))  # (no pair yet: gram = cross = 0, H̄ = 0)
     eye = torch.eye(d, dtype=gram.dtype, device=gram.device)
     h = torch.linalg.solve(gram + ridge * eye, cross.mT).mT
     return 0.5 * (h + h.mT)
