@@ -524,7 +524,9 @@ def test_elbos(name, elbo):
     fit(GUIDES[name](toy_model), toy_model, y, steps=3, elbo=elbo())
 
 
-DEFAULTS = {cls.__name__: cls for cls in (AutoBranchGuide, AutoAmortizedBranchGuide, AutoPlateAmortizedFlow, AutoHierarchicalVM)}
+DEFAULTS = {
+    cls.__name__: cls for cls in (AutoBranchGuide, AutoAmortizedBranchGuide, AutoPlateAmortizedFlow, AutoHierarchicalVM)
+}
 
 
 @pytest.mark.parametrize("make", DEFAULTS.values(), ids=DEFAULTS.keys())
