@@ -422,9 +422,9 @@ def gaussian_update(
     lam = precision if precision.dim() > natural.dim() else torch.diag_embed(precision)
     total = p0 + lam
     eta = (p0 @ prior.loc.unsqueeze(-1)).squeeze(-1) + natural
-    chol = torch.linalg.cholesky(total)
-    loc = torch.cholesky_solve(eta.unsqueeze(-1), chol).squeeze(-1)
-    return loc, precision_to_scale_tril(total)
+    scale_tril = precision_to_scale_tril(total)  # (one factorisation for both: loc = L Lᵀ e)
+    loc = (scale_tril @ (scale_tril.mT @ eta.unsqueeze(-1))).squeeze(-1)
+    return loc, scale_tril
 
 
 def gaussian_log_normaliser(prior: GaussianPrior, precision: torch.Tensor, natural: torch.Tensor) -> torch.Tensor:
