@@ -206,9 +206,10 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
 
     **Compiled steps** (``JitTrace_ELBO``, indices passed positionally): the model's expansion of every element is
     made once, from the call on all the data, when the step is traced, and each step selects its minibatch's
-    elements by the traced indices; it is not redone (exact for a likelihood Gaussian in the level; for others the
-    networks learn what moves). Synthetic regression, N = 1,000, 100 groups a step: 0.93× Pyro's eager AutoNormal
-    step, 3.6× eager, where each new minibatch's expansion is made on its call (benchmarks/step_time.py).
+    elements by the traced indices; it is not redone. That is exact for a likelihood Gaussian in the level; for
+    others the expansion stays at the globals' first values, so train them eagerly (it is redone there). Synthetic
+    regression, N = 1,000, 100 groups a step: 0.93× Pyro's eager AutoNormal step compiled, 3.6× eager, where each
+    new minibatch's expansion is made on its call (benchmarks/step_time.py).
 
     **Calls without the observations** (``Predictive(model, guide=guide)(x)`` with the observed value ``None``, the
     usual posterior predictive): the groups are encoded from the data of the last call that had them (kept as plain
