@@ -300,7 +300,9 @@ class AutoBranchGuide(HierarchicalGuide):
         ``scale_trils``: its raw Cholesky factor, both 1 at the start). For ``covariance="dense"`` the references also
         hold how the pseudo-observation moves with the globals (``slope``, ``stretch_slope``), read from the model."""
         d = level.numel
-        setattr(self.locs, level.name, PyroParam(init, constraints.real, event_dim=1))
+        # (in units: the mean is anchor + unit * the parameter, see _level_mean)
+        step = torch.zeros_like(init) if self._in_units(level) else init
+        setattr(self.locs, level.name, PyroParam(step, constraints.real, event_dim=1))
         if self._conjugate_diagonal(level):
             setattr(self.scales, level.name, PyroParam(torch.zeros_like(init), constraints.real, event_dim=1))
         else:
@@ -312,6 +314,8 @@ class AutoBranchGuide(HierarchicalGuide):
             "fisher_sd": init.new_ones((*level.batch_shape, d)),
             "visits": init.new_full(tuple(level.batch_shape), -1.0),  # training visits since it was made; -1: none yet
         }
+        if self._in_units(level):
+            state["anchor"], state["unit"] = init.clone(), torch.ones_like(init)
         if self._has_slopes(level):
             d_g = self._global_level.numel
             state["slope"] = init.new_zeros((*level.batch_shape, d, d_g))
@@ -454,7 +458,7 @@ class AutoBranchGuide(HierarchicalGuide):
         values: dict[str, torch.Tensor] = {}
         centres: dict[str, torch.Tensor] = {}
         for level in self.levels:
-            centre = self._element_param(self.locs, level, plates, 1).detach()
+            centre = self._level_mean(level, plates).detach()
             if level is self._global_level and self._use_average():
                 centre = self.averages.loc.detach()
             centres[level.name] = centre
@@ -495,7 +499,7 @@ class AutoBranchGuide(HierarchicalGuide):
                 lambda u, at=values, f=expand: f(at, u)[0],
             )
             if not bool(had.all()):  # the next levels' expansions see this one's new start (crossed effects)
-                centres[level.name] = self._element_param(self.locs, level, plates, 1).detach()
+                centres[level.name] = self._level_mean(level, plates).detach()
                 values.update(self._level_values(level, centres[level.name]))
             refreshes = self._refreshes.get(level.name, 0)
             self._refreshes[level.name] = refreshes + 1
@@ -621,7 +625,7 @@ class AutoBranchGuide(HierarchicalGuide):
         (:func:`~pyro_hier.conjugate.line_searched_mean`)."""
         diagonal = self._conjugate_diagonal(level)
         raw = self.scales if diagonal else self.scale_trils
-        mean = self._element_param(self.locs, level, plates, 1).detach()
+        mean = self._level_mean(level, plates).detach()
         factor_raw = self._element_param(raw, level, plates, 1 if diagonal else 2).detach()
         factor = positive(factor_raw) if diagonal else scale_tril_from_raw(factor_raw)
         mean_out, raw_out = mean, factor_raw
@@ -635,8 +639,18 @@ class AutoBranchGuide(HierarchicalGuide):
             started = line_searched_mean(prior, centre, gradient, new[2], rest_gradient)
             fresh = (~had).unsqueeze(-1) & torch.isfinite(started)
             mean_out = torch.where(fresh, started, mean_out)
-        self._write_elements(self.locs, level.name, level, plates, mean_out, 1)
         self._write_elements(raw, level.name, level, plates, raw_out, 1 if diagonal else 2)
+        if not self._in_units(level):
+            self._write_elements(self.locs, level.name, level, plates, mean_out, 1)
+            return
+        # the mean's new anchor, and its unit: q's sd at the reference (a step of Adam's rate moves it by that
+        # fraction of an sd, however narrow the group's posterior)
+        factor_out = positive(raw_out) if diagonal else scale_tril_from_raw(raw_out)
+        _, scale = conjugate_conditional(prior, *new, mean_out, factor_out)
+        unit = scale if diagonal else scale.pow(2).sum(-1).sqrt()
+        self._write_elements(self.references, f"{level.name}__anchor", level, plates, mean_out, 1)
+        self._write_elements(self.references, f"{level.name}__unit", level, plates, unit, 1)
+        self._write_elements(self.locs, level.name, level, plates, torch.zeros_like(mean_out), 1)
 
     def _level_prior(self, level: PlateLevel, fns: dict) -> GaussianPrior:
         assert self.structure is not None
@@ -667,7 +681,7 @@ class AutoBranchGuide(HierarchicalGuide):
             self._reference(level, "precision", plates, 1 if diagonal else 2),
             self._reference(level, "fisher_sd", plates, 1 if diagonal else 2),
         )
-        mean = self._element_param(self.locs, level, plates, 1)
+        mean = self._level_mean(level, plates)
         if diagonal:
             factor = positive(self._element_param(self.scales, level, plates, 1))
         else:
@@ -794,7 +808,7 @@ class AutoBranchGuide(HierarchicalGuide):
         order one — plain SGD on the paper's ``(μ_i, A_i)`` is badly conditioned. ``scale`` is ``L`` (the vector of
         sds for ``"diagonal"``), with off-diagonals relative to the rows' scales (see
         :func:`~pyro_hier.transforms.scale_tril_from_raw`). :meth:`conditional` gives the paper's form."""
-        loc = self._element_param(self.locs, level, plates, 1)
+        loc = self._level_mean(level, plates)
         diagonal = self._is_diagonal(level)
         raw = self._element_param(self.scales if diagonal else self.scale_trils, level, plates, 1 if diagonal else 2)
         if level is self._global_level and self._use_average():
@@ -1146,6 +1160,28 @@ class AutoBranchGuide(HierarchicalGuide):
             and float(self.averages.count.detach()) > 0
             and not torch.is_grad_enabled()
         )
+
+    # ---- conjugate levels' means in units of their sd -----------------------------------------------------------
+    def _in_units(self, level: PlateLevel) -> bool:
+        """Whether a level's location is parameterised in units of its sd (:meth:`_level_mean`): the conjugate levels.
+        A hook: the amortized guide keeps plain locations."""
+        return level.name in self.conjugate_levels
+
+    def _level_mean(self, level: PlateLevel, plates: dict | None = None) -> torch.Tensor:
+        r"""A level's location parameter (a linear level's mean, a conjugate level's conditional mean at its reference)
+        for the elements of ``plates`` (``None``: full size): ``locs.<level>`` itself, or for the conjugate levels
+        (:meth:`_in_units`) :math:`\bar M = a + s \odot v`, with the anchor :math:`a` and the unit :math:`s` kept
+        as state (``references.<level>__anchor``, ``__unit``) and :math:`v` the free parameter ``locs.<level>``.
+        The unit is q's sd at the element's reference, and the anchor its mean then (:math:`v = 0`), both redone with
+        the reference (:meth:`_rebase_level`, q unchanged). An optimiser's step of about its learning rate in
+        :math:`v` thus moves the mean by that fraction of its sd, however narrow the element's posterior: with a plain
+        mean Adam's step is about its rate whatever the sd, and a group of the synthetic regression (100
+        observations, sd about 0.1) stayed about 0.3 sd off its exact mean at the rate 0.05 (rms over 1,000 groups;
+        0.09 in units)."""
+        step = self._element_param(self.locs, level, plates, 1)
+        if not self._in_units(level):
+            return step
+        return self._reference(level, "anchor", plates, 1) + self._reference(level, "unit", plates, 1) * step
 
     # ---- summaries ----------------------------------------------------------------------------------------------
     @torch.no_grad()
