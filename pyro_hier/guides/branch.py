@@ -120,6 +120,9 @@ class AutoBranchGuide(HierarchicalGuide):
     Sds (diagonals of Cholesky factors) are :math:`e^r` of free parameters (:func:`pyro_hier.transforms.positive`):
     an Adam step changes :math:`\log s` by about the learning rate, so a posterior sd ten times larger or smaller
     than ``init_scale`` is reached in about :math:`\ln 10/\mathrm{lr}` steps, as fast as ``AutoNormal`` or faster.
+    A conjugate level's mean is kept in units of its sd (:meth:`_level_mean`): an Adam step moves it by about the
+    learning rate times the group's sd, however narrow its posterior (a group of the synthetic regression with 100
+    observations has sd 0.1: with a plain mean the rate 0.05 kept the groups 0.3 sd off, rms, and 0.09 in units).
     Values are mapped to each site's support with ``biject_to`` and the log-Jacobian enters the density, as in
     ``AutoNormal``.
 
