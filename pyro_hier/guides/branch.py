@@ -120,9 +120,8 @@ class AutoBranchGuide(HierarchicalGuide):
     Sds (diagonals of Cholesky factors) are :math:`e^r` of free parameters (:func:`pyro_hier.transforms.positive`):
     an Adam step changes :math:`\log s` by about the learning rate, so a posterior sd ten times larger or smaller
     than ``init_scale`` is reached in about :math:`\ln 10/\mathrm{lr}` steps, as fast as ``AutoNormal`` or faster.
-    A conjugate level's mean is kept in units of its sd (:meth:`_level_mean`): an Adam step moves it by about the
-    learning rate times the group's sd, however narrow its posterior (a group of the synthetic regression with 100
-    observations has sd 0.1: with a plain mean the rate 0.05 kept the groups 0.3 sd off, rms, and 0.09 in units).
+    With ``mean_units=True`` a conjugate level's mean is kept in units of its sd (:meth:`_level_mean`): an Adam step
+    moves it by about the learning rate times the group's sd, however narrow its posterior.
     Values are mapped to each site's support with ``biject_to`` and the log-Jacobian enters the density, as in
     ``AutoNormal``.
 
@@ -172,6 +171,15 @@ class AutoBranchGuide(HierarchicalGuide):
         way (final 0.256 → 0.151 sd). Cost: about 30% more per step on minibatches of 20 radon counties, none seen
         at 10^4 groups a step.
 
+    :param mean_units: keep each conjugate level's mean in units of q's sd at the element's reference
+        (:meth:`_level_mean`), so that an Adam step moves it by about the learning rate times the element's sd
+        (with a plain mean, about the rate whatever the sd). On the synthetic regression (groups of 100 observations,
+        sd about 0.1, rate 0.05) the groups' means were 0.09 sd off (rms over 1,000 groups) against 0.3 with a plain
+        mean, and benchmarks/crossover.py at 10^3 groups reached 0.1 sd in 12.1 CPU s against 18.4. Off by default:
+        in the drop-in loop on Minnesota radon (Uniform priors, seed 0) it gave 0.094 at the rate 0.05 and 0.075 at
+        0.01, but 0.76 at 0.005 (plain: 0.30); holding each element's first unit instead fixed 0.005 (0.23) and
+        diverged at 0.05.
+
     References: A. Agrawal, J. Domke, *Amortized Variational Inference for Simple Hierarchical Models*, NeurIPS 2021;
     G. Roeder, Y. Wu, D. Duvenaud, *Sticking the Landing*, NeurIPS 2017; B. Polyak, A. Juditsky, *Acceleration of
     Stochastic Approximation by Averaging*, SIAM J. Control Optim. 1992.
@@ -189,7 +197,10 @@ class AutoBranchGuide(HierarchicalGuide):
         stick_the_landing: bool | None = None,
         num_summary_samples: int = 1000,
         control_variate: bool = True,
+        mean_units: bool = False,
     ) -> None:
+        if not isinstance(mean_units, bool):
+            raise ValueError(f"mean_units must be True or False, got {mean_units!r}")
         if not isinstance(control_variate, bool):
             raise ValueError(f"control_variate must be True or False, got {control_variate!r}")
         if not (isinstance(num_summary_samples, int) and num_summary_samples > 1):
@@ -207,6 +218,7 @@ class AutoBranchGuide(HierarchicalGuide):
         self.stick_the_landing = stick_the_landing
         self.num_summary_samples = num_summary_samples
         self.control_variate = control_variate
+        self.mean_units = mean_units
         self._init_scale = float(init_scale)
         super().__init__(model, init_loc_fn=init_loc_fn, create_plates=create_plates)
 
@@ -1166,9 +1178,9 @@ class AutoBranchGuide(HierarchicalGuide):
 
     # ---- conjugate levels' means in units of their sd -----------------------------------------------------------
     def _in_units(self, level: PlateLevel) -> bool:
-        """Whether a level's location is parameterised in units of its sd (:meth:`_level_mean`): the conjugate levels.
-        A hook: the amortized guide keeps plain locations."""
-        return level.name in self.conjugate_levels
+        """Whether a level's location is parameterised in units of its sd (:meth:`_level_mean`): the conjugate levels,
+        with ``mean_units=True``. A hook: the amortized guide keeps plain locations."""
+        return self.mean_units and level.name in self.conjugate_levels
 
     def _level_mean(self, level: PlateLevel, plates: dict | None = None) -> torch.Tensor:
         r"""A level's location parameter (a linear level's mean, a conjugate level's conditional mean at its reference)
