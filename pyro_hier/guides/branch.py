@@ -175,7 +175,8 @@ class AutoBranchGuide(HierarchicalGuide):
         (:meth:`_level_mean`), so that an Adam step moves it by about the learning rate times the element's sd
         (with a plain mean, about the rate whatever the sd). On the synthetic regression (groups of 100 observations,
         sd about 0.1, rate 0.05) the groups' means were 0.09 sd off (rms over 1,000 groups) against 0.3 with a plain
-        mean, and benchmarks/crossover.py at 10^3 groups reached 0.1 sd in 12.1 CPU s against 18.4. Off by default:
+        mean; benchmarks/crossover.py reached 0.1 sd at 10^3 groups in 12.1 CPU s (plain 18.4) and at 10^5 in 588 s
+        (plain: not within 740 s, 0.151 at the end; NumPyro's NUTS is about 7,400 s there). Off by default:
         in the drop-in loop on Minnesota radon (Uniform priors, seed 0) it gave 0.094 at the rate 0.05 and 0.075 at
         0.01, but 0.76 at 0.005 (plain: 0.30); holding each element's first unit instead fixed 0.005 (0.23) and
         diverged at 0.05.
