@@ -79,6 +79,7 @@ NUTS_SECONDS = {100: 600.0, 1000: 1200.0, 10_000: 1800.0, 100_000: 900.0}
 PYRO_NUTS_SECONDS = {100: 600.0, 1000: 900.0, 10_000: 300.0, 100_000: 300.0}
 GUIDES = (
     "branch-default",
+    "branch-units",
     "branch-block",
     "branch-dense",
     "branch-diagonal",
@@ -196,6 +197,8 @@ def make_guide(name: str, data: Data) -> torch.nn.Module:
     family, _, form = name.partition("-")
     if name == "branch-default":  # AutoBranchGuide(model): the conjugate conditional, as a user builds it
         return AutoBranchGuide(data.model)
+    if name == "branch-units":  # the same, its groups' means in units of their sd
+        return AutoBranchGuide(data.model, mean_units=True)
     if family == "branch":
         # the linear conditional, as measured in benchmarks/README.md (issue 20, 2026-11-25)
         return AutoBranchGuide(data.model, covariance=form, conditional="linear", stick_the_landing=True)
@@ -287,7 +290,7 @@ def run_svi(
     split = name.startswith("branch") and opts.global_lr is not None
     rates = f"lr {lr:g}" + (f", globals {opts.global_lr:g}" if split else "")
     runs = {"last": Run(data.kind, N, method, f"{label} (B={B}, {rates})")}
-    averaged = opts.average if opts.average is not None else name != "branch-default"
+    averaged = opts.average if opts.average is not None else name not in ("branch-default", "branch-units")
     if averaged:
         runs["avg"] = Run(data.kind, N, f"{method}-avg", f"{label} (B={B}, {rates}), averaged")
     device, dtype = torch.device(opts.device), torch.float32
@@ -465,6 +468,7 @@ def checkpoint_times(budget: float) -> list[float]:
 def guide_label(name: str) -> str:
     return {
         "branch-default": "AutoBranchGuide (defaults)",
+        "branch-units": "AutoBranchGuide (mean_units=True)",
         "branch-block": "AutoBranchGuide block+STL",
         "branch-dense": "AutoBranchGuide dense+STL",
         "branch-diagonal": "AutoBranchGuide diagonal+STL",

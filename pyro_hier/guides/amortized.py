@@ -501,6 +501,11 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
                 found.append(_Source("gathered", name))
         return tuple(found)
 
+    def _in_units(self, level: PlateLevel) -> bool:
+        """Plain locations here (the sd-unit form of :meth:`AutoBranchGuide._level_mean` was not measured with the
+        networks)."""
+        return False
+
     def _setup_level(self, level: PlateLevel, init: torch.Tensor) -> None:
         if level.name not in self.amortized_levels:
             return super()._setup_level(level, init)

@@ -435,3 +435,23 @@ def test_control_variate_shared_curvature_is_the_groups_mean_hessian():
     expected = (p.P - torch.eye(2, dtype=p.P.dtype)).mean(0).to(h.dtype)
     torch.testing.assert_close(h, expected, rtol=0, atol=0.06)  # (a Δθ-weighted mean over the groups)
     assert expected.abs().max() > 0.3
+
+
+def test_group_means_move_in_units_of_their_sd():
+    """With ``mean_units=True`` a conjugate level's mean is ``anchor + unit * step``, the unit q's sd at its reference,
+    so Adam's step of about its rate moves it by that fraction of an sd: on the regression (50 groups of 100
+    observations, sd about 0.1), after 200 full-data steps at the constant rate 0.05, the groups' means are within
+    rms 0.04 sd of the exact ones (measured 0.040, 0.042, 0.040 over seeds 0-2; with the plain mean, whose Adam steps
+    are about 0.05 whatever the sd, 0.116, 0.120, 0.126)."""
+    p = synthetic_regression(num_groups=50, num_obs=100, dim=3, seed=0)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoBranchGuide(p.model, mean_units=True)
+    svi = SVI(p.model, guide, pyro.optim.Adam({"lr": 0.05}), Trace_ELBO())
+    for _ in range(200):
+        svi.step(*p.args, **p.kwargs)
+    with torch.no_grad():
+        mean = guide.level_moments(*p.args, **p.kwargs)["groups"][0]
+    ref = p.moments["z"]
+    rms = float(((mean.reshape(ref.mean.shape) - ref.mean) / ref.sd).pow(2).mean().sqrt())
+    assert rms < 0.07, rms
