@@ -34,7 +34,7 @@ from pyro_hier.conjugate import (
 from pyro_hier.distributions import StickingTheLanding
 from pyro_hier.encoders import DeepSetEncoder, FreeEncoding, FrozenPositions, SiteData
 from pyro_hier.errors import StructureError
-from pyro_hier.flows import FreeAffine, make_flow
+from pyro_hier.flows import NETWORK_RATE, FreeAffine, make_flow
 from pyro_hier.gather_maps import GatherMaps, full_data_call
 from pyro_hier.gathers import keep_random_state
 from pyro_hier.guides.base import HierarchicalGuide, concat_broadcast, empirical_quantiles, parameter_keys
@@ -61,6 +61,10 @@ EXPANSION_EVERY = 10
 GLOBAL_RATE = 0.05
 #: bound on the log-stretch of a pseudo-observation's sd along its slopes (far draws early in a run, float32)
 STRETCH_LIMIT = 15.0
+#: the exponents of the pseudo-observation's natural parameter along the globals are looked for in ±this (per unit of
+#: the globals' unconstrained coordinates), on a grid of :data:`POWER_GRID` points
+POWER_LIMIT = 4.0
+POWER_GRID = 129
 
 
 class AutoPlateAmortizedFlow(HierarchicalGuide):
@@ -267,6 +271,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         num_summary_samples: int = 1000,
         tail_average: float | None = 0.1,
         conditional: str | None = None,
+        network_rate: float | None = None,
     ) -> None:
         if encoder not in _ENCODERS:
             raise ValueError(f"encoder must be one of {_ENCODERS}, got {encoder!r}")
@@ -301,6 +306,11 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         if conditional not in _CONDITIONALS:
             raise ValueError(f"conditional must be one of {_CONDITIONALS} or None, got {conditional!r}")
         self.conditional = conditional
+        if network_rate is None:
+            network_rate = NETWORK_RATE if conditional == "conjugate" else 1.0
+        if not (isinstance(network_rate, int | float) and 0 < network_rate and math.isfinite(network_rate)):
+            raise ValueError(f"network_rate must be None or a positive number, got {network_rate!r}")
+        self.network_rate = float(network_rate)
         self._hooked: weakref.ref | None = None
         self._average_pairs: tuple = ()
         self._expansion: tuple | None = None  # (call key, {site: the model's pseudo-observation}) of the last refresh
@@ -403,7 +413,9 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                 self._context_levels[name] = ()
             context_dim = self.encoding_size * (1 + len(self._context_levels[name]))
             context_dim += sum(structure.latent[a].element_numel for a in ancestors)
-            self.flows[self._keys[name]] = make_flow(self.flow_spec, site.element_numel, context_dim, self.flow_hidden)
+            self.flows[self._keys[name]] = make_flow(
+                self.flow_spec, site.element_numel, context_dim, self.flow_hidden, self.network_rate
+            )
         if self.encoder_kind == "free":
             self.encoder = FreeEncoding(self.levels, self.encoding_size, like)
         else:
@@ -500,9 +512,9 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         one = torch.ones(n, dtype=dtype, device=site.value.device)
         if site.name in self._conjugate_sites:  # the identity on the standardised draw: q starts at q0
             return one * 0.0, one
-        if site.reparameterized and not self._start_at_init_loc and self._init_scale is None:
-            # the identity: PAVI's own start at the prior conditional; for a conjugate site, a unit
-            # pseudo-observation at 0 in unconstrained space
+        from_prior = self._from_prior(site)
+        if from_prior and not self._start_at_init_loc and self._init_scale is None:
+            # the identity: PAVI's own start at the prior conditional
             return one * 0.0, one
         fn = site.fn
         if site.is_global and site.batch_shape:
@@ -516,7 +528,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             q = empirical_quantiles(draws, [0.25, 0.5, 0.75])
             prior_median = q[1]
             prior_spread = ((q[2] - q[0]) / 1.349).reshape(-1, n).mean(0).clamp(min=1e-6)
-            if site.reparameterized:
+            if from_prior:
                 base_median, base_spread = prior_median, prior_spread
             else:  # a standard normal base in unconstrained space
                 base_median, base_spread = torch.zeros_like(prior_median), one
@@ -525,6 +537,12 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             scale = spread / base_spread
             loc = (target - scale * base_median).reshape(-1, n).mean(0)
         return loc, scale
+
+    def _from_prior(self, site: LatentSite) -> bool:
+        """Whether the site's flow pushes forward its prior conditional (PAVI's form) rather than a standard normal in
+        unconstrained space: sites with ``rsample``, except the globals with the conjugate conditional (a prior's
+        heavy tail — a scale's ``HalfCauchy`` — would otherwise stay in q)."""
+        return site.reparameterized and not (self.conditional == "conjugate" and site.is_global)
 
     def _register_networks(self) -> None:
         """Put the networks' parameters in Pyro's param store (so SVI optimises them), and adopt the store's tensors
@@ -671,21 +689,18 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
 
     @torch.no_grad()
     def _to_data_tables(self, made: dict, calls: dict) -> None:
-        r"""Keep each element's last pseudo-observation made with data, at the plates' full sizes, in a form that does
-        not depend on the reference :math:`\bar\theta` it was read at: :math:`\eta_0 = \bar\eta - B\bar\theta`,
-        :math:`\Lambda_0 = E(-\bar\theta)\bar\Lambda E(-\bar\theta)`, so that :math:`\eta(\theta) = \eta_0 +
-        B\theta` and :math:`\Lambda(\theta) = E(\theta)\Lambda_0 E(\theta)`, :math:`E(\theta) =
-        \mathrm{diag}(e^{C\theta})` (for calls without the observations)."""
+        r"""Keep each element's last pseudo-observation made with data, at the plates' full sizes, with the reference
+        :math:`\bar\theta` it was read at (for calls without the observations and for minibatches, which read it at
+        the current reference through the offset :math:`\bar\theta_{\mathrm{now}} - \bar\theta`: the same
+        function of the globals' draw)."""
         ref = self._state("ref_mean") if self._global_level is not None else None
         for name, (info, natural, slopes) in made.items():
             level = self._level_of[name]
             ndim = len(level.batch_shape)
             parts = [info, natural]
             if slopes is not None:
-                natural = natural - (slopes[0] @ ref.unsqueeze(-1)).squeeze(-1)
-                e = (-(slopes[1] @ ref.unsqueeze(-1)).squeeze(-1)).exp()
-                info = e * info * e if info.dim() == natural.dim() else e.unsqueeze(-1) * info * e.unsqueeze(-2)
-                parts = [info, natural, *slopes]
+                at = ref if slopes[3] is None else ref - slopes[3]
+                parts = [info, natural, *slopes[:3], at.expand(natural.shape[:-1] + at.shape[-1:])]
             parts.append(torch.ones_like(natural[..., :1]))  # seen
             if name not in self._data_tables:
                 self._data_tables[name] = [t.new_zeros(level.batch_shape + t.shape[ndim:]) for t in parts]
@@ -695,7 +710,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
 
     def _from_data_tables(self, calls: dict) -> dict:
         """The pseudo-observations of this call's elements from their last data (none for elements never seen with
-        data: their q0 is then the prior conditional), at the current reference."""
+        data: their q0 is then the prior conditional), with the offset of the current reference from theirs."""
         ref = self._state("ref_mean") if self._global_level is not None else None
         made = {}
         for name in self._expanded_sites:
@@ -708,14 +723,10 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             ndim = len(level.batch_shape)
             axes = self._element_axes(name, calls, ndim)
             parts = [_gather_elements(t, axes) for t in self._data_tables[name]]
-            info, natural = parts[0], parts[1]
             slopes = None
-            if len(parts) == 5:
-                slopes = (parts[2], parts[3])
-                natural = natural + (slopes[0] @ ref.unsqueeze(-1)).squeeze(-1)
-                e = (slopes[1] @ ref.unsqueeze(-1)).squeeze(-1).exp()
-                info = e * info * e if info.dim() == natural.dim() else e.unsqueeze(-1) * info * e.unsqueeze(-2)
-            made[name] = (info, natural, slopes)
+            if len(parts) == 7:
+                slopes = (parts[2], parts[3], parts[4], ref - parts[5])
+            made[name] = (parts[0], parts[1], slopes)
         return made
 
     @torch.no_grad()
@@ -790,7 +801,9 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                 quadratic = bool(torch.allclose(moved, curvature, rtol=1e-4, atol=tolerance))
                 nodes = SLOPE_NODES if quadratic else DERIVATIVE_STEP
                 width = ref_sd * nodes
-                targets, logs = [], []
+                natural0 = _natural_at(gradient, curvature, centre, diagonal)
+                weight = 1.0 / (info if diagonal else info.diagonal(dim1=-2, dim2=-1)).add(p0)
+                targets, logs, powers = [], [], []
                 for k in range(glob.numel):
                     pair = []
                     for sign in (1.0, -1.0):
@@ -798,11 +811,16 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                         shifted[..., k] += sign * width[..., k]
                         g, f = expand({**values, **self._global_values(shifted)}, centre)
                         diag = f.diagonal(dim1=-2, dim2=-1)
-                        nat = diag * centre + g if diagonal else (f @ centre.unsqueeze(-1)).squeeze(-1) + g
-                        pair.append((nat, diag.clamp(min=floor).log()))
-                    targets.append((pair[0][0] - pair[1][0]) / (2 * width[..., k]))
-                    logs.append((pair[0][1] - pair[1][1]) / (4 * width[..., k]))  # log √Λ: half the log precision
-                slopes = (torch.stack(targets, -1), torch.stack(logs, -1))
+                        pair.append((_natural_at(g, f, centre, diagonal), diag.clamp(min=floor).log()))
+                    w = width[..., k]
+                    power = natural0.new_zeros(natural0.shape[-1:])
+                    if quadratic:  # the exponent of η along this global (0 off the Gaussian case: a derivative)
+                        power = natural_power(pair[0][0], natural0, pair[1][0], w, weight, len(level.batch_shape))
+                    up, down = (power * w).exp(), (-power * w).exp()
+                    targets.append((pair[0][0] * down - pair[1][0] * up) / (2 * w))
+                    logs.append((pair[0][1] - pair[1][1]) / (4 * w))  # log √Λ: half the log precision
+                    powers.append(power.expand_as(natural0))
+                slopes = (torch.stack(targets, -1), torch.stack(logs, -1), torch.stack(powers, -1), None)
             made[name] = (info, natural, slopes)
         return made
 
@@ -1025,11 +1043,11 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                 standardise = [AffineTransform(loc0, scale0, event_dim=1)]
             else:
                 standardise = [_CholeskyAffine(loc0, scale0)]
-        elif site.reparameterized:  # the prior conditional, flattened in unconstrained space
+        elif self._from_prior(site):  # the prior conditional, flattened in unconstrained space
             if base.batch_shape != batch:
                 base = base.expand(batch)
             head = [to_support.inv] + ([ReshapeTransform(event_u, flat)] if reshape else [])
-        else:  # no rsample: a standard normal in unconstrained space takes its place (as AutoNormal's base)
+        else:  # a standard normal in unconstrained space (as AutoNormal's base): no rsample, or a global (conjugate)
             base = dist.Normal(context.new_zeros(batch + flat), 1.0).to_event(1)
             head = []
         tap = _Tap()
@@ -1078,9 +1096,13 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         info, natural, slopes = expansion
         diagonal = info.dim() == natural.dim()
         if slopes is not None:
-            delta = (cascade.global_vector() - self._state("ref_mean")).unsqueeze(-1)
-            natural = natural + (slopes[0] @ delta).squeeze(-1)
+            delta = cascade.global_vector() - self._state("ref_mean")
+            if slopes[3] is not None:  # read at another reference (the data tables): the offset to it
+                delta = delta + slopes[3]
+            delta = delta.unsqueeze(-1)
             # (e^{±15} ≈ 3e6: a draw that far from the reference, early in a run, must not overflow float32)
+            power = (slopes[2] @ delta).squeeze(-1).clamp(-2 * STRETCH_LIMIT, 2 * STRETCH_LIMIT).exp()
+            natural = power * (natural + (slopes[0] @ delta).squeeze(-1))
             stretch = (slopes[1] @ delta).squeeze(-1).clamp(-STRETCH_LIMIT, STRETCH_LIMIT).exp()
             if diagonal:
                 info = stretch * info * stretch
@@ -1225,6 +1247,54 @@ class _Cascade(PlateRecorder):
         glob = self.guide._global_level
         assert glob is not None
         return concat_broadcast([self.unconstrained[n] for n in glob.sites])
+
+
+def natural_power(
+    plus: torch.Tensor, centre: torch.Tensor, minus: torch.Tensor, width: torch.Tensor, weight: torch.Tensor, ndim: int
+) -> torch.Tensor:
+    r"""The exponent :math:`d` of a pseudo-observation's natural parameter along one global coordinate, from its
+    reads at the reference and at :math:`\pm w`: :math:`\eta(\Delta) = e^{d\Delta}(\bar\eta + b\Delta)` fits
+    the three reads exactly for any :math:`d` when :math:`b` takes the odd part, and :math:`d` is chosen to fit the
+    even part, :math:`\eta_+ e^{-dw} + \eta_- e^{dw} - 2\bar\eta = 0`, in least squares over the plate elements
+    (weights ``weight``, per coordinate of the element vector: one exponent per coordinate, shared by the elements
+    of the ``ndim`` batch dims), on a grid over :math:`\pm` :data:`POWER_LIMIT` refined on two finer grids, ties going
+    to the smallest :math:`|d|`.
+
+    Where the likelihood is Gaussian in the site, :math:`\eta = A(y - c)/\sigma^2` with the globals entering
+    through the coefficient :math:`A`, the offset :math:`c` and the noise :math:`\sigma`: a location (``c``) gives
+    :math:`d = 0` (:math:`\eta` affine), a log scale of the coefficient (non-centred eight schools' :math:`\log\tau`)
+    :math:`d = 1`, a log noise scale (radon's :math:`\log\sigma_y`) :math:`d = -2`, each exact, with the products of
+    these also exact. Returns ``(n,)``."""
+    dtype = plus.dtype
+    plus, centre, minus, weight = (t.double() for t in (plus, centre, minus, weight))
+    w = width.double()
+    size = weight * (plus.pow(2) + minus.pow(2) + centre.pow(2))
+    scale = size.flatten(0, ndim - 1).sum(0) if ndim else size
+
+    def loss(grid: torch.Tensor) -> torch.Tensor:  # (G, n) for exponents (G, n)
+        shape = grid.shape[:1] + (1,) * ndim + grid.shape[1:]
+        up, down = (grid * w).exp().reshape(shape), (-grid * w).exp().reshape(shape)
+        even = plus * down + minus * up - 2 * centre  # (G, batch…, n)
+        out = weight * even.pow(2)
+        out = out.flatten(1, ndim).sum(1) if ndim else out
+        return out + (1e-9 * scale + 1e-300) * grid.pow(2)  # ties (a flat fit) go to d = 0
+
+    n = plus.shape[-1]
+    coarse = torch.linspace(-POWER_LIMIT, POWER_LIMIT, POWER_GRID, dtype=torch.float64, device=plus.device)
+    step = coarse[1] - coarse[0]
+    best = coarse[loss(coarse.unsqueeze(-1).expand(-1, n)).argmin(0)]  # (n,)
+    for _ in range(2):  # two finer grids about the best point
+        fine = best + torch.linspace(-1.0, 1.0, 33, dtype=torch.float64, device=plus.device).unsqueeze(-1) * step
+        best = fine.gather(0, loss(fine).argmin(0).unsqueeze(0)).squeeze(0)
+        step = step / 16
+    return best.clamp(-POWER_LIMIT, POWER_LIMIT).to(dtype)
+
+
+def _natural_at(gradient: torch.Tensor, curvature: torch.Tensor, centre: torch.Tensor, diagonal: bool) -> torch.Tensor:
+    r""":math:`\eta = F c + g` of an expansion at ``centre``, the whole curvature (its diagonal when ``diagonal``)."""
+    if diagonal:
+        return curvature.diagonal(dim1=-2, dim2=-1) * centre + gradient
+    return (curvature @ centre.unsqueeze(-1)).squeeze(-1) + gradient
 
 
 def _element_shape(full: torch.Tensor, axes: list[tuple[int, torch.Tensor]], ndim: int) -> torch.Size:
