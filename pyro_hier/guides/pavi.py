@@ -64,6 +64,11 @@ STRETCH_LIMIT = 15.0
 #: the exponents of the pseudo-observation's natural parameter along the globals are looked for in ±this (per unit of
 #: the globals' unconstrained coordinates), on a grid of :data:`POWER_GRID` points
 POWER_LIMIT = 4.0
+#: the expansion's interval doubles, up to this many times :data:`EXPANSION_EVERY`, while its slopes predict each redo
+EXPANSION_BACKOFF = 64
+#: a redo is predicted when it moves no pseudo-observation's natural parameter by more than this fraction of its sd's
+#: inverse, its precision by more than this fraction, nor its slopes by more than 5 times this fraction of their size
+PREDICTION_TOLERANCE = 1e-2
 POWER_GRID = 129
 
 
@@ -466,6 +471,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             mean, sd = self._initial_global_moments(like.dtype)
             state = {"global_mean": mean, "global_var": sd.pow(2), "ref_mean": mean, "ref_sd": sd}
             state["calls"] = like.new_zeros(())
+            state["every"] = like.new_tensor(float(EXPANSION_EVERY))
             for key, value in state.items():
                 setattr(self.references, key, PyroParam(value.detach().clone(), constraints.real))
                 getattr(self.references, key)  # (read once: a trace of this call records the parameter, not its init)
@@ -613,16 +619,21 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
     def _expansions_for_call(self, args: tuple, kwargs: dict, forced: dict, calls: dict | None) -> dict:
         """``{site: (precision, natural parameter, slopes or None)}``: the model's pseudo-observation of each expanded
         site's elements on this call (:meth:`_expand`). Kept while the arguments are the same objects (and the
-        subsampled plates the same indices), redone every :data:`EXPANSION_EVERY` training calls at the running mean
-        of the globals' draws."""
+        subsampled plates the same indices), redone at the running mean of the globals' draws every
+        :data:`EXPANSION_EVERY` training calls — or at doubling intervals (up to :data:`EXPANSION_BACKOFF` times that)
+        while each redo on the full data is what the last expansion's slopes predicted at the new reference
+        (:func:`predicted_expansions`), at once when it is not."""
         if not self._expanded_sites:
             return {}
         assert self.structure is not None
         if self.structure.subsampled_plates and calls is None:  # the indices of this call are part of its key
             with keep_random_state():
                 calls = capture_plates(_ForceSubsamples(forced)(self.model), args, kwargs)
-        if torch.is_grad_enabled() and float(self._state("calls")) >= EXPANSION_EVERY:
+        previous = None
+        if torch.is_grad_enabled() and float(self._state("calls")) >= float(self._state("every")):
             # a new reference at the running moments of the globals' draws
+            if self._global_level is not None and self._expansion is not None and self._expansion[1] is not None:
+                previous = (self._expansion[0], self._state("ref_mean").clone(), self._expansion[1])
             self._write_state("ref_mean", self._state("global_mean"))
             self._write_state("ref_sd", self._state("global_var").clamp(min=1e-12).sqrt())
             self._write_state("calls", torch.zeros(()))
@@ -632,6 +643,10 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         key = self._call_key(args, kwargs, calls if self.structure.subsampled_plates else None) + reference
         if self._expansion is not None and self._expansion[0] == key:
             return self._expansion[1]
+        if previous is not None:  # the same call at the previous reference?
+            size = len(reference)
+            if previous[0][: len(previous[0]) - size] != key[: len(key) - size]:
+                previous = None
         if calls is None:
             with keep_random_state():
                 calls = capture_plates(_ForceSubsamples(forced)(self.model), args, kwargs)
@@ -651,6 +666,14 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             made = self._from_data_tables(calls)
         else:
             self._to_data_tables(made, calls)
+            if previous is not None:  # back off while the slopes predict the redo
+                moved = self._state("ref_mean") - previous[1]
+                every = float(self._state("every"))
+                held = predicted_expansions(previous[2], moved, made)
+                self._write_state(
+                    "every",
+                    torch.tensor(min(2 * every, EXPANSION_EVERY * EXPANSION_BACKOFF) if held else EXPANSION_EVERY),
+                )
         self._expansion = (key, made)
         return made
 
@@ -1288,6 +1311,51 @@ def natural_power(
         best = fine.gather(0, loss(fine).argmin(0).unsqueeze(0)).squeeze(0)
         step = step / 16
     return best.clamp(-POWER_LIMIT, POWER_LIMIT).to(dtype)
+
+
+@torch.no_grad()
+def predicted_expansions(old: dict, moved: torch.Tensor, new: dict, tol: float = PREDICTION_TOLERANCE) -> bool:
+    r"""Whether the expansions ``new`` ``{site: (Λ̄, η̄, (B, C, D, offset) or None)}``, read at a reference that is
+    ``moved`` from that of ``old``, are what ``old``'s slopes give there: with :math:`\delta` = ``moved``,
+    :math:`\eta = e^{D\delta}(\bar\eta + B\delta)` within ``tol`` :math:`\sqrt{\Lambda}` of the new
+    :math:`\bar\eta`, :math:`\Lambda = E\bar\Lambda E` (:math:`E = e^{C\delta}`) within a factor
+    :math:`e^{\pm\mathrm{tol}}` on its diagonal, and the slopes (:math:`e^{D\delta}B`, :math:`C`, :math:`D`)
+    within ``5 tol`` of their largest size. A Gaussian likelihood read along globals that enter it as locations and
+    log scales is predicted exactly; others once the reference settles."""
+    for name, (info, natural, slopes) in new.items():
+        if name not in old:
+            return False
+        info0, natural0, slopes0 = old[name]
+        if (slopes is None) != (slopes0 is None) or info.shape != info0.shape or natural.shape != natural0.shape:
+            return False
+        slopes_now: tuple = ()
+        if slopes0 is not None:
+            if slopes0[3] is not None or slopes[3] is not None:
+                return False
+            delta = moved.unsqueeze(-1)
+            power = (slopes0[2] @ delta).squeeze(-1).clamp(-30.0, 30.0).exp()
+            stretch = (slopes0[1] @ delta).squeeze(-1).clamp(-15.0, 15.0).exp()
+            natural0 = power * (natural0 + (slopes0[0] @ delta).squeeze(-1))
+            if info0.dim() == natural0.dim():
+                info0 = stretch * info0 * stretch
+            else:
+                info0 = stretch.unsqueeze(-1) * info0 * stretch.unsqueeze(-2)
+            slopes_now = (
+                (power.unsqueeze(-1) * slopes0[0], slopes[0]),
+                (slopes0[1], slopes[1]),
+                (slopes0[2], slopes[2]),
+            )
+        diag0 = info0 if info0.dim() == natural0.dim() else info0.diagonal(dim1=-2, dim2=-1)
+        diag = info if info.dim() == natural.dim() else info.diagonal(dim1=-2, dim2=-1)
+        tiny = torch.finfo(diag.dtype).tiny
+        if bool(((natural - natural0).abs() > tol * diag.clamp(min=0).sqrt() + tiny**0.5).any()):
+            return False
+        if bool(((diag.clamp(min=tiny).log() - diag0.clamp(min=tiny).log()).abs() > tol).any()):
+            return False
+        for a, b in slopes_now:
+            if bool(((a - b).abs() > 5 * tol * float(b.abs().max()) + tiny).any()):
+                return False
+    return True
 
 
 def _natural_at(gradient: torch.Tensor, curvature: torch.Tensor, centre: torch.Tensor, diagonal: bool) -> torch.Tensor:
