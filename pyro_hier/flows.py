@@ -24,10 +24,10 @@ __all__ = ["FLOWS", "NETWORK_RATE", "ConditionalAffine", "FreeAffine", "make_flo
 
 #: rate multiplier of :class:`ConditionalAffine`'s networks (:class:`~pyro_hier.nn.RateLinear`): Adam moves their
 #: weights a tenth as fast as the free parameters. Measured on radon (Uniform priors) in the drop-in loop at Adam's
-#: rate 0.05 (seeds 0, 1): with 1, the noise scale's q swung ±5–20 posterior sds between checkpoints and came out
-#: 3–8× too wide, its spread carried by weights on the ancestors' base samples that each moved by the learning rate
-#: per step (max error 0.64 and 1.20); with 0.1, 0.34 and 0.29 emulated by per-group optimiser rates, 0.27 (seed 1)
-#: as implemented (AutoNormal 0.76, 0.59); at rate 0.01, 0.23/0.19/0.32 on seeds 0–2 (AutoNormal 0.67/0.64/0.68).
+#: rate 0.05 with :class:`~pyro_hier.AutoPlateAmortizedFlow`'s conjugate default: with 1, the globals' q came out
+#: too wide (the noise scale's sd 2.15× the posterior's, seed 1) and the worst posterior mean of seeds 0 and 1 was
+#: 1.09 reference sds (AutoNormal 0.76); with 0.1, 0.30 on seed 0. (The first measurement, with an earlier form of
+#: q₀: the noise scale's q swung ±5–20 posterior sds between checkpoints with 1; 0.27 with 0.1, seed 1.)
 NETWORK_RATE = 0.1
 
 
