@@ -26,8 +26,8 @@ __all__ = ["FLOWS", "NETWORK_RATE", "ConditionalAffine", "FreeAffine", "make_flo
 #: weights a tenth as fast as the free parameters. Measured on radon (Uniform priors) in the drop-in loop at Adam's
 #: rate 0.05 with :class:`~pyro_hier.AutoPlateAmortizedFlow`'s conjugate default: with 1, the globals' q came out
 #: too wide (the noise scale's sd 2.15× the posterior's, seed 1) and the worst posterior mean of seeds 0 and 1 was
-#: 1.09 reference sds (AutoNormal 0.76); with 0.1, 0.30 on seed 0. (The first measurement, with an earlier form of
-#: q₀: the noise scale's q swung ±5–20 posterior sds between checkpoints with 1; 0.27 with 0.1, seed 1.)
+#: 1.09 reference sds (AutoNormal 0.76); with 0.1, 0.33 and 0.19 (AutoNormal 0.76, 0.59). (First measured with an
+#: earlier form of q₀: the noise scale's q swung ±5–20 posterior sds between checkpoints with 1; 0.27 with 0.1.)
 NETWORK_RATE = 0.1
 
 
