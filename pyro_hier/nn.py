@@ -10,7 +10,50 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-__all__ = ["MLP", "Standardize", "masked_pool", "pool_with_square", "readout_multiplier", "segment_pool", "with_square"]
+__all__ = [
+    "MLP",
+    "RateLinear",
+    "Standardize",
+    "masked_pool",
+    "pool_with_square",
+    "readout_multiplier",
+    "segment_pool",
+    "with_square",
+]
+
+
+class RateLinear(nn.Linear):
+    r"""``nn.Linear`` whose weight and bias are stored divided by ``rate`` and used multiplied by it:
+    :math:`y = r\,(\tilde W x + \tilde b)` with stored :math:`(\tilde W, \tilde b) = (W, b) / r`.
+
+    The function is the same; what changes is how fast Adam moves it. Adam moves every stored number by about the
+    learning rate per step whatever its gradient's size, so the effective weights move by ``rate`` times the
+    learning rate: an internal per-parameter-group rate multiplier that works with any optimiser the user builds
+    (the maximal-update parameterisation's device, Yang & Hu 2021). Used for the conditional flows' networks of
+    :class:`~pyro_hier.AutoPlateAmortizedFlow` (:data:`pyro_hier.flows.NETWORK_RATE`).
+
+    Example::
+
+        layer = RateLinear(3, 2, rate=0.1)
+        layer(torch.randn(5, 3)).shape  # (5, 2)
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, rate: float = 1.0) -> None:
+        if not rate > 0:
+            raise ValueError(f"rate must be positive, got {rate!r}")
+        super().__init__(in_features, out_features, bias=bias)
+        self.rate = float(rate)
+        with torch.no_grad():
+            self.weight.div_(self.rate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias * self.rate
+        return nn.functional.linear(x, self.weight * self.rate, bias)
+
+    def set_weight_(self, value: torch.Tensor) -> None:
+        """Set the effective weight (stored divided by the rate)."""
+        with torch.no_grad():
+            self.weight.copy_(value / self.rate)
 
 
 class MLP(nn.Sequential):
@@ -18,7 +61,8 @@ class MLP(nn.Sequential):
 
     Weights start from a normal truncated at two standard deviations with std ``sqrt(1 / fan_in)``, biases at zero;
     the last layer's weights use std ``last_layer_std`` (the paper's 0.001 makes the outputs start near zero, so an
-    amortized ``q(z_i | θ)`` starts near its initial value whatever the data).
+    amortized ``q(z_i | θ)`` starts near its initial value whatever the data). With ``rate`` other than 1 the layers
+    are :class:`RateLinear` (Adam moves the network ``rate`` times as fast; same function at initialisation).
 
     Example::
 
@@ -34,17 +78,19 @@ class MLP(nn.Sequential):
         *,
         negative_slope: float = 0.01,
         last_layer_std: float | None = None,
+        rate: float = 1.0,
     ) -> None:
         if in_features < 1 or out_features < 1 or any(h < 1 for h in hidden):
             raise ValueError(f"layer sizes must be positive, got {in_features}, {list(hidden)}, {out_features}")
         sizes = [in_features, *hidden, out_features]
         layers: list[nn.Module] = []
         for i, (a, b) in enumerate(itertools.pairwise(sizes)):
-            linear = nn.Linear(a, b)
+            linear = nn.Linear(a, b) if rate == 1.0 else RateLinear(a, b, rate=rate)
             last = i == len(sizes) - 2
             std = last_layer_std if (last and last_layer_std is not None) else math.sqrt(1.0 / a)
             with torch.no_grad():
                 nn.init.trunc_normal_(linear.weight, std=std, a=-2 * std, b=2 * std)
+                linear.weight.div_(rate)  # (stored divided by the rate: the same function)
                 linear.bias.zero_()
             layers.append(linear)
             if not last:

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from pyro_hier.nn import MLP, pool_with_square, segment_pool
+from pyro_hier.nn import MLP, RateLinear, pool_with_square, segment_pool
 
 
 def test_mlp_init_and_shapes():
@@ -40,3 +40,24 @@ def test_segment_pool_matches_padded_pooling(how):
 def test_pool_with_square():
     e = torch.tensor([[[1.0, 2.0], [3.0, 4.0]]])
     torch.testing.assert_close(pool_with_square(e), torch.tensor([[2.0, 3.0, 5.0, 10.0]]))
+
+
+def test_rate_linear_is_the_same_function_and_adam_moves_it_rate_times_as_fast():
+    torch.manual_seed(0)
+    plain, slow = torch.nn.Linear(3, 2), RateLinear(3, 2, rate=0.1)
+    slow.set_weight_(plain.weight.detach())
+    with torch.no_grad():
+        slow.bias.copy_(plain.bias / 0.1)
+    x = torch.randn(5, 3)
+    assert torch.allclose(plain(x), slow(x), atol=1e-6)
+    moved = []
+    for layer in (plain, slow):
+        before = layer(x).detach()
+        optim = torch.optim.Adam(layer.parameters(), lr=0.01)
+        optim.zero_grad()
+        layer(x).sum().backward()
+        optim.step()
+        moved.append((layer(x).detach() - before).abs().mean())
+    assert torch.allclose(moved[1], 0.1 * moved[0], rtol=1e-4)
+    with pytest.raises(ValueError, match="rate"):
+        RateLinear(3, 2, rate=0.0)

@@ -14,11 +14,13 @@ the summaries, shortened runs with bounds loose enough for their budget but far 
   posterior sd, the collapse its full drop-in run ended in (0.685). (The guard before, 500 steps at rate 0.05 on the
   Uniform priors, measured 0.33 on that default and 1.21 on this one: the county scale's location is not there yet
   after 500 steps; after the full 5,000 steps at rate 0.01 this default is the better one on both priors.)
-- ``AutoPlateAmortizedFlow``: 500 steps at rate 0.05. Measured when written (500 draws, seed 0): max error 0.47, sd
-  ratios up to 1.11 (AutoNormal 2.8–3.0 at this budget). The previous default (PAVI's own form: the flow pushing the
-  prior conditional forward, ``encoder="free"``, ``flow="affine+maf"``, no ancestors in the context) gave 0.84 with
-  sd ratios 0.37–1.3, and 1.37 after the full 5,000 steps at rate 0.01; with ``condition_on_ancestors=True`` 3.2
-  (sd ratios 0.57–1.84); a conjugate conditional whose pseudo-observation came from the flow's network 2.4.
+- ``AutoPlateAmortizedFlow``: the first 600 steps of the 5,000-step loop at rate 0.05 (the rate still near 0.05,
+  where the previous default's county scale collapsed), seed 1: every posterior mean within 1.2 reference sds and
+  every sd between 0.4 and 2.5 of the reference's. Measured when written (500 draws): max error 0.51, sd ratios
+  0.83–1.67 (seed 0: 0.56, 0.79–1.37). The previous default (q0's natural parameter linear in the globals' draw,
+  networks at Adam's full rate, globals pushed from their priors) gave 2.85 with sd ratios 0.02–4.44 (seed 0: 2.83,
+  0.01–2.33), and after the full loop 0.97 and 2.79 (AutoNormal 0.76, 0.59). (The guard before, 500 steps with the
+  rate decaying over them, did not tell them apart: 0.47/0.25 on the previous default, 0.25/0.20 on this one.)
 - ``AutoAmortizedBranchGuide``: 500 steps at rate 0.05. Measured when written (500 draws, seed 0): max error 0.38,
   sd ratios up to 1.19 (AutoNormal 2.84; the previous default, the natural form's networks with a learnt prior-like
   factor — ``conditional="linear"`` — 2.88, and 2.05 after the full 5,000 steps at rate 0.01: with no covariates
@@ -37,15 +39,24 @@ from pyro_hier.problems import radon_mn
 
 
 def fit_in_the_users_loop(
-    make: Callable, *, steps: int, lr: float, draws: int, parallel: bool, prior: str = "uniform"
+    make: Callable,
+    *,
+    steps: int,
+    lr: float,
+    draws: int,
+    parallel: bool,
+    prior: str = "uniform",
+    schedule: int | None = None,
+    seed: int = 0,
 ) -> tuple[float, float, float, float]:
     """The final loss, the largest |E_q − E_ref| / sd_ref, and the largest and smallest sd_q / sd_ref over every
-    latent element (radon with the given ``prior`` of its scales)."""
+    latent element (radon with the given ``prior`` of its scales), after ``steps`` steps of the loop whose rate decays
+    tenfold over ``schedule`` steps (default ``steps``: the whole loop)."""
     problem = radon_mn(prior=prior)
     pyro.clear_param_store()
-    pyro.set_rng_seed(0)
+    pyro.set_rng_seed(seed)
     guide = make(problem.model)
-    optim = pyro.optim.ClippedAdam({"lr": lr, "lrd": 0.1 ** (1 / steps)})
+    optim = pyro.optim.ClippedAdam({"lr": lr, "lrd": 0.1 ** (1 / (schedule or steps))})
     svi = SVI(problem.model, guide, optim, Trace_ELBO())
     for _ in range(steps):
         loss = svi.step(*problem.args, **problem.kwargs)
@@ -80,10 +91,13 @@ def test_default_hierarchical_vm_in_the_users_loop_on_radon():
 
 
 def test_default_plate_amortized_flow_in_the_users_loop_on_radon():
-    loss, error, ratio, _ = fit_in_the_users_loop(AutoPlateAmortizedFlow, steps=500, lr=0.05, draws=500, parallel=True)
+    loss, error, ratio, low = fit_in_the_users_loop(
+        AutoPlateAmortizedFlow, steps=600, schedule=5000, lr=0.05, draws=500, parallel=True, seed=1
+    )
     assert math.isfinite(loss) and loss < 1200  # the posterior's -ELBO is about 1090
-    assert error < 0.7, error
-    assert ratio < 1.5, ratio
+    assert error < 1.2, error
+    assert low > 0.4, low  # the county scale's q does not collapse
+    assert ratio < 2.5, ratio
 
 
 def test_default_amortized_branch_guide_in_the_users_loop_on_radon():

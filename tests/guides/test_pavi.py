@@ -178,7 +178,9 @@ def test_calls_without_gradients_use_the_tail_average():
     for name in draw:
         assert torch.allclose(draw[name], expected[name]), name
     averages = {f"averages.{k}_unconstrained" for k in [*live, "count"]}
-    references = {f"references.{k}_unconstrained" for k in ["global_mean", "global_var", "ref_mean", "ref_sd", "calls"]}
+    references = {
+        f"references.{k}_unconstrained" for k in ["global_mean", "global_var", "ref_mean", "ref_sd", "calls", "every"]
+    }
     assert set(guide.state_parameters()) == averages | references
 
 
@@ -395,3 +397,18 @@ def test_affine_flow_output_moves_about_the_learning_rate_whatever_the_width():
         optim.step()
         moves[width] = float((flow.condition(context)(x).detach() - before).abs().mean())
     assert 0 < moves[256] < 2 * moves[16], moves
+
+
+@pytest.mark.parametrize("power", [0.0, 1.0, -2.0, 0.7])
+def test_natural_power_recovers_the_exponent_of_the_natural_parameter(power):
+    """q0's natural parameter moves as e^{dΔ}(η̄ + bΔ) along a global: the exponent is read back from the three reads
+    at the reference and ±w (η̄ of either sign, slopes b of either sign, shared by the elements), and an affine η
+    (a location) gives d = 0."""
+    from pyro_hier.guides.pavi import natural_power
+
+    torch.manual_seed(0)
+    centre, slope, w = torch.randn(7, 2), torch.randn(7, 2), torch.tensor(0.8)
+    plus = math.exp(power * 0.8) * (centre + slope * w)
+    minus = math.exp(-power * 0.8) * (centre - slope * w)
+    found = natural_power(plus, centre, minus, w, torch.ones(7, 2), 1)
+    assert torch.allclose(found, torch.full((2,), power), atol=1e-3), found
