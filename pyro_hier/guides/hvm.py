@@ -84,10 +84,11 @@ _MAX_CATEGORIES = 64
 DISCRETE_COMPONENTS = 4
 #: the mixture prior's r(λ | z) has sd σ_k e^γ(z) with |γ| < MAX_STRETCH (a factor of e^5 ≈ 150 either way)
 MAX_STRETCH = 5.0
-#: the slopes of a site on its parents (:meth:`AutoHierarchicalVM._affine`) are this times their free parameters, so
-#: Adam moves them at a tenth of the rate of the other parameters. At full rate they left the model's non-centred
-#: start within 250 steps of the drop-in loop, while λ's scales were still near their init, and the centred eight
-#: schools' tau collapsed (0.08 of its posterior sd, max error 0.93 sd)
+#: the slopes of a site on its parents (:meth:`AutoHierarchicalVM._affine`) that the model does not give (its prior
+#: conditional is not Gaussian) are this times their free parameters, so Adam moves them at a tenth of the rate of the
+#: other parameters (model-read slopes: :data:`READ_SLOPE_RATE`). At full rate the model-read slopes left the
+#: model's non-centred start within 250 steps of the drop-in loop, while λ's scales were still near their init, and
+#: the centred eight schools' tau collapsed (0.08 of its posterior sd, max error 0.93 sd)
 SLOPE_RATE = 0.1
 #: the rate multiplier of slopes the model gives (:meth:`AutoHierarchicalVM._model_slopes`, read again every
 #: :data:`SLOPE_REFRESH` calls): Adam's changes on top of the reading move at a hundredth of its rate. At a tenth, on
