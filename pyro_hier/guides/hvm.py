@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -84,11 +84,18 @@ _MAX_CATEGORIES = 64
 DISCRETE_COMPONENTS = 4
 #: the mixture prior's r(λ | z) has sd σ_k e^γ(z) with |γ| < MAX_STRETCH (a factor of e^5 ≈ 150 either way)
 MAX_STRETCH = 5.0
-#: the slopes of a site on its parents (:meth:`AutoHierarchicalVM._affine`) are this times their free parameters, so
-#: Adam moves them at a tenth of the rate of the other parameters. At full rate they left the model's non-centred
-#: start within 250 steps of the drop-in loop, while λ's scales were still near their init, and the centred eight
-#: schools' tau collapsed (0.08 of its posterior sd, max error 0.93 sd)
+#: the slopes of a site on its parents (:meth:`AutoHierarchicalVM._affine`) that the model does not give (its prior
+#: conditional is not Gaussian) are this times their free parameters, so Adam moves them at a tenth of the rate of the
+#: other parameters (model-read slopes: :data:`READ_SLOPE_RATE`). At full rate the model-read slopes left the
+#: model's non-centred start within 250 steps of the drop-in loop, while λ's scales were still near their init, and
+#: the centred eight schools' tau collapsed (0.08 of its posterior sd, max error 0.93 sd)
 SLOPE_RATE = 0.1
+#: the rate multiplier of slopes the model gives (:meth:`AutoHierarchicalVM._model_slopes`, read again every
+#: :data:`SLOPE_REFRESH` calls): Adam's changes on top of the reading move at a hundredth of its rate. At a tenth, on
+#: radon (Uniform priors) at Adam's rate 0.05 (the drop-in loop, 3 seeds) what Adam added to the reads while the
+#: globals were far from their posterior stayed: the county scale ended 0.73-0.80 sd off (AutoNormal 0.55-0.76); at a
+#: hundredth 0.64-0.71
+READ_SLOPE_RATE = 0.01
 #: the fraction of the training calls so far that the tail average of q's parameters remembers (outside training q
 #: uses that average: ``Predictive``, ``median``, ``quantiles``). In the drop-in loop on the synthetic regression
 #: (seed 0) the max error of the means went from 0.148 to 0.098 sd
@@ -457,7 +464,8 @@ class AutoHierarchicalVM(HierarchicalGuide):
     its log-sd by :math:`\rho\,(\log \mathrm{sd}_0)'` with the shrinkage :math:`\rho = P / (P + H)`, so weakly
     identified groups are non-centred (:math:`\theta_i = \mu + \tau w_i`) and well identified ones centred. The reading
     is done at the init values and again every :data:`SLOPE_REFRESH` training calls at the centre of ``q`` (Adam's
-    changes on top are kept, at :data:`SLOPE_RATE` times its rate). This lets ``q`` express the dependence of group
+    changes on top are kept, at :data:`READ_SLOPE_RATE` times its rate; slopes the model does not give are learnt
+    from zero at :data:`SLOPE_RATE` times its rate). This lets ``q`` express the dependence of group
     effects on the population location and scale that mean-field families miss (a funnel's).
 
     **Averaging.** Outside training (``Predictive``, ``median``, ``quantiles``: calls without gradients) ``q`` uses the
@@ -702,10 +710,9 @@ class AutoHierarchicalVM(HierarchicalGuide):
         tensors, so ``SVI``'s parameter capture does not see them."""
         count = self.averages.get_parameter("count_unconstrained")
         count.add_(1)
-        n = int(count)
-        for attr in self._averaged:
-            average = self.averages.get_parameter(f"{attr}_unconstrained")
-            tail_average_update(average, self.prior_params.get_parameter(f"{attr}_unconstrained"), n, TAIL_FRACTION)
+        averages = [self.averages.get_parameter(f"{attr}_unconstrained") for attr in self._averaged]
+        values = [self.prior_params.get_parameter(f"{attr}_unconstrained") for attr in self._averaged]
+        tail_average_update(averages, values, int(count), TAIL_FRACTION)  # (one fused update of all of them)
 
     def _use_average(self) -> bool:
         """Outside training (``Predictive``, ``median``, ``quantiles``: any call without gradients) ``q`` uses the tail
@@ -848,7 +855,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
             if spec.continuous and n_par:  # slopes of the location and log-sd on the parents (see _model_slopes)
                 slopes = init.new_zeros((*level.batch_shape, spec.num_coords, 2, n_par))
                 if spec.name in read:
-                    slopes = read[spec.name].to(slopes) / SLOPE_RATE
+                    slopes = read[spec.name].to(slopes) / READ_SLOPE_RATE
                     # the last read (state without gradients, see _refresh_slopes), in the slopes' free units
                     if not hasattr(self, "slope_reads"):
                         self.slope_reads = PyroModule()
@@ -973,10 +980,12 @@ class AutoHierarchicalVM(HierarchicalGuide):
             if spec is not level.sites[-1]:
                 return HVMSiteDistribution(spec.likelihood(params), lambda z: z.new_zeros(()))
 
-            fixed = self._mixture_r_params(level, element_params)
-
             def log_r(z: torch.Tensor) -> torch.Tensor:
-                return self._log_r_mixture(level, lam, {**values, spec.name: to_w(z)}, fixed)
+                # r's parameters are gathered when a density is asked for (a draw that is never scored, e.g. in
+                # Predictive, needs none)
+                return self._log_r_mixture(
+                    level, lam, {**values, spec.name: to_w(z)}, self._mixture_r_params(level, element_params)
+                )
 
             return HVMSiteDistribution(spec.likelihood(params), log_r)
         target = self._block(level, spec, lam0)
@@ -995,6 +1004,12 @@ class AutoHierarchicalVM(HierarchicalGuide):
 
         return HVMSiteDistribution(spec.likelihood(params), log_r)
 
+    def _slope_rate(self, spec: _SiteSpec) -> float:
+        """The factor between a site's slopes and their free parameters: :data:`READ_SLOPE_RATE` where the model gives
+        them (:meth:`_model_slopes`), :data:`SLOPE_RATE` where Adam learns them from zero."""
+        reads = getattr(self, "slope_reads", None)
+        return READ_SLOPE_RATE if reads is not None and spec.key in reads._pyro_params else SLOPE_RATE
+
     def _affine(
         self, level: _Level, spec: _SiteSpec, x: torch.Tensor | None, params: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -1005,7 +1020,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
         ``e^b`` stretches. ``None`` for a discrete site or a level without parents."""
         if x is None or not spec.continuous:
             return None
-        slopes = SLOPE_RATE * params[f"{spec.key}_slopes"]  # (*batch, C, 2, n)
+        slopes = self._slope_rate(spec) * params[f"{spec.key}_slopes"]  # (*batch, C, 2, n)
         t = (slopes * x[..., None, None, :]).sum(-1)  # (..., C, 2)
         t = t.reshape(t.shape[:-2] + spec.elem_shape + (2,))
         cut = (lambda x: x) if torch.jit.is_tracing() else torch.Tensor.detach
@@ -1059,7 +1074,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
                 if spec.name not in read or spec.key not in self.slope_reads._pyro_params:
                     continue
                 old = self.slope_reads.get_parameter(f"{spec.key}_unconstrained")
-                new = read[spec.name].to(old) / SLOPE_RATE
+                new = read[spec.name].to(old) / self._slope_rate(spec)
                 delta = new - old
                 self.prior_params.get_parameter(f"{spec.key}_slopes_unconstrained").add_(delta)
                 attr = f"{spec.key}_slopes"
@@ -1110,8 +1125,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
                 shifted[:, c] += sign * h
                 # the same random numbers in both runs (sites the guide does not sample, e.g. enumerated ones, are
                 # drawn from the model), and the caller's generator left as it was
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(0)
+                with _seeded():
                     fns, _ = capture_priors(
                         self.model, args, kwargs, {**values, name: transform(shifted.reshape(u.shape))}, wanted
                     )
@@ -1167,8 +1181,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
                 start += spec.num_coords
             return out
 
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
+        with _seeded():
             curvature = element_curvature(self.model, args, kwargs, values, level_u, to_values, 1.0)
             fns, _ = capture_priors(self.model, args, kwargs, values, names)
         h = curvature.diagonal(dim1=-2, dim2=-1).clamp(min=0.0)
@@ -1196,28 +1209,49 @@ class AutoHierarchicalVM(HierarchicalGuide):
         (Uniform / HalfNormal priors) instead of 0.66 / 0.35."""
         if not spec.continuous:
             return None
-        name, n = level.key, len(spec.elem_shape)
+        # computed once per call, for the whole level at once: ``params`` (:meth:`_element_params`) is built afresh
+        # for every call, and the standardisers are read by the sites' r, the children's affine maps and the level's
+        # parent values
+        key = f"_standard:{spec.key}"
+        if key not in params:
+            centre, sd = params.get("_standard:") or self._level_standardiser(level, params)
+            params["_standard:"] = (centre, sd)
+            start = 0
+            for other in level.sites:
+                if other.continuous:
+                    cut = slice(start, start + other.num_coords)
+                    shape = (*centre.shape[:-1], *other.elem_shape)
+                    params[f"_standard:{other.key}"] = (centre[..., cut].reshape(shape), sd[..., cut].reshape(shape))
+                    start += other.num_coords
+        return params[key]
+
+    def _level_standardiser(self, level: _Level, params: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_standardiser` of all the level's continuous coordinates, ``(*batch, C)`` each (in the order of the
+        level's sites)."""
+        continuous = [s for s in level.sites if s.continuous]
+        whole = sum(s.size for s in continuous) == level.numel
+
+        def pairs(x: torch.Tensor) -> torch.Tensor:  # (..., D) -> (..., C, 2): each coordinate's (location, log-sd)
+            if not whole:
+                x = torch.cat([x[..., s.offset : s.offset + s.size] for s in continuous], -1)
+            return x.reshape((*x.shape[:-1], -1, 2))
+
         # constants of r for this step (detached), except under torch.jit.trace: there the detached copies biased
         # JitTrace_ELBO (prior-only median −0.1 to −0.17 after 100 steps, 4 seeds; within ±0.05 with the gradient)
         cut = (lambda x: x) if torch.jit.is_tracing() else torch.Tensor.detach
-
-        def block(x: torch.Tensor) -> torch.Tensor:
-            x = x[..., spec.offset : spec.offset + spec.size]
-            return x.reshape((*x.shape[:-1], *spec.elem_shape, 2))
-
+        name = level.key
         if self.prior == "mixture":
-            live = block(params[f"{name}_locs"])
-            locs, sds = cut(live), block(positive(cut(params[f"{name}_scales"])))
-            log_pi = torch.log_softmax(_LOGIT_SCALE * cut(params[f"{name}_logits"]), -1)
-            pi = log_pi.exp().reshape((*log_pi.shape, *(1,) * n))
+            live = pairs(params[f"{name}_locs"])  # (*batch, K, C, 2)
+            locs, sds = cut(live), pairs(positive(cut(params[f"{name}_scales"])))
+            pi = torch.softmax(_LOGIT_SCALE * cut(params[f"{name}_logits"]), -1).unsqueeze(-1)  # (*batch, K, 1)
             mean = locs[..., 0]
             var = sds[..., 0].pow(2) + (2 * locs[..., 1] + 2 * sds[..., 1].pow(2)).exp()
-            centre = (pi * mean).sum(-n - 1)
-            var = (pi * (var + (mean - centre.unsqueeze(-n - 1)).pow(2))).sum(-n - 1)
-            centre = (pi * live[..., 0]).sum(-n - 1)
+            centre = (pi * mean).sum(-2)
+            var = (pi * (var + (mean - centre.unsqueeze(-2)).pow(2))).sum(-2)
+            centre = (pi * live[..., 0]).sum(-2)
         else:
-            live = block(params[f"{name}_loc"])
-            loc, sd = cut(live), block(positive(cut(params[f"{name}_scale"])))
+            live = pairs(params[f"{name}_loc"])  # (*batch, C, 2)
+            loc, sd = cut(live), pairs(positive(cut(params[f"{name}_scale"])))
             centre = live[..., 0]
             var = sd[..., 0].pow(2) + (2 * loc[..., 1] + 2 * sd[..., 1].pow(2)).exp()
         return centre, var.sqrt()
@@ -1454,6 +1488,17 @@ class AutoHierarchicalVM(HierarchicalGuide):
             term = per_coord.sum(-1)  # (K, n)
             total = term if total is None else total + term
         return torch.logsumexp(log_pi.unsqueeze(-1) + total, 0)
+
+
+@contextmanager
+def _seeded(seed: int = 0) -> Iterator[None]:
+    """Model reads with fixed random numbers (the same draws of sites the guide does not sample in every read) that
+    leave the caller's CPU generator as it was. Seeds the CPU generator only: ``torch.manual_seed`` would also queue
+    seeds for every lazily initialised accelerator, recording a stack trace each time (a tenth of a slope refresh's
+    CPU time on radon), and leave them seeded outside the fork."""
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)
+        yield
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
