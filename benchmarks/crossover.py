@@ -80,6 +80,7 @@ PYRO_NUTS_SECONDS = {100: 600.0, 1000: 900.0, 10_000: 300.0, 100_000: 300.0}
 GUIDES = (
     "branch-default",
     "branch-units",
+    "branch-plain",
     "branch-block",
     "branch-dense",
     "branch-diagonal",
@@ -197,8 +198,10 @@ def make_guide(name: str, data: Data) -> torch.nn.Module:
     family, _, form = name.partition("-")
     if name == "branch-default":  # AutoBranchGuide(model): the conjugate conditional, as a user builds it
         return AutoBranchGuide(data.model)
-    if name == "branch-units":  # the same, its groups' means in units of their sd
+    if name == "branch-units":  # its groups' means in units of their sd (the default on minibatches of groups)
         return AutoBranchGuide(data.model, mean_units=True)
+    if name == "branch-plain":  # its groups' means plain (the default before 2026-11-27)
+        return AutoBranchGuide(data.model, mean_units=False)
     if family == "branch":
         # the linear conditional, as measured in benchmarks/README.md (issue 20, 2026-11-25)
         return AutoBranchGuide(data.model, covariance=form, conditional="linear", stick_the_landing=True)
@@ -290,7 +293,9 @@ def run_svi(
     split = name.startswith("branch") and opts.global_lr is not None
     rates = f"lr {lr:g}" + (f", globals {opts.global_lr:g}" if split else "")
     runs = {"last": Run(data.kind, N, method, f"{label} (B={B}, {rates})")}
-    averaged = opts.average if opts.average is not None else name not in ("branch-default", "branch-units")
+    averaged = (
+        opts.average if opts.average is not None else name not in ("branch-default", "branch-units", "branch-plain")
+    )
     if averaged:
         runs["avg"] = Run(data.kind, N, f"{method}-avg", f"{label} (B={B}, {rates}), averaged")
     device, dtype = torch.device(opts.device), torch.float32
@@ -469,6 +474,7 @@ def guide_label(name: str) -> str:
     return {
         "branch-default": "AutoBranchGuide (defaults)",
         "branch-units": "AutoBranchGuide (mean_units=True)",
+        "branch-plain": "AutoBranchGuide (mean_units=False)",
         "branch-block": "AutoBranchGuide block+STL",
         "branch-dense": "AutoBranchGuide dense+STL",
         "branch-diagonal": "AutoBranchGuide diagonal+STL",

@@ -120,8 +120,8 @@ class AutoBranchGuide(HierarchicalGuide):
     Sds (diagonals of Cholesky factors) are :math:`e^r` of free parameters (:func:`pyro_hier.transforms.positive`):
     an Adam step changes :math:`\log s` by about the learning rate, so a posterior sd ten times larger or smaller
     than ``init_scale`` is reached in about :math:`\ln 10/\mathrm{lr}` steps, as fast as ``AutoNormal`` or faster.
-    With ``mean_units=True`` a conjugate level's mean is kept in units of its sd (:meth:`_level_mean`): an Adam step
-    moves it by about the learning rate times the group's sd, however narrow its posterior.
+    On minibatches of groups a conjugate level's mean is kept in units of its sd (``mean_units``, :meth:`_level_mean`):
+    an Adam step moves it by about the learning rate times the group's sd, however narrow its posterior.
     Values are mapped to each site's support with ``biject_to`` and the log-Jacobian enters the density, as in
     ``AutoNormal``.
 
@@ -171,15 +171,17 @@ class AutoBranchGuide(HierarchicalGuide):
         way (final 0.256 → 0.151 sd). Cost: about 30% more per step on minibatches of 20 radon counties, none seen
         at 10^4 groups a step.
 
-    :param mean_units: keep each conjugate level's mean in units of q's sd at the element's reference
+    :param mean_units: keep a conjugate level's mean in units of q's sd at the element's reference
         (:meth:`_level_mean`), so that an Adam step moves it by about the learning rate times the element's sd
-        (with a plain mean, about the rate whatever the sd). On the synthetic regression (groups of 100 observations,
-        sd about 0.1, rate 0.05) the groups' means were 0.09 sd off (rms over 1,000 groups) against 0.3 with a plain
-        mean; benchmarks/crossover.py reached 0.1 sd at 10^3 groups in 12.1 CPU s (plain 18.4) and at 10^5 in 588 s
-        (plain: not within 740 s, 0.151 at the end; NumPyro's NUTS is about 7,400 s there). Off by default:
-        in the drop-in loop on Minnesota radon (Uniform priors, seed 0) it gave 0.094 at the rate 0.05 and 0.075 at
-        0.01, but 0.76 at 0.005 (plain: 0.30); holding each element's first unit instead fixed 0.005 (0.23) and
-        diverged at 0.05.
+        (with a plain mean, about the rate whatever the sd). ``None`` (default): in units for the conjugate levels
+        whose plate the model subsamples (minibatches of groups, seen on the guide's first call), plain otherwise;
+        ``True``/``False``: every conjugate level. A subsampled group gets a step only when its minibatch comes, and
+        with a plain mean that step is the rate whatever its sd: on the synthetic regression (groups of 100
+        observations, sd about 0.1, rate 0.05) the groups' means stayed 0.3 sd off (rms over 1,000 groups; 0.09 in
+        units), and benchmarks/crossover.py reached 0.1 sd at 10^3 groups in 12.1 CPU s in units (plain 18.4) and at
+        10^5 in 588 s (plain: not within 740 s; NumPyro's NUTS is about 7,400 s there). With full-data steps every
+        group moves on every step, and in units radon (Uniform priors, seed 0, drop-in loop) gave 0.094 at the rate
+        0.05 and 0.075 at 0.01 but 0.76 at 0.005 (plain: 0.30): hence plain there.
 
     References: A. Agrawal, J. Domke, *Amortized Variational Inference for Simple Hierarchical Models*, NeurIPS 2021;
     G. Roeder, Y. Wu, D. Duvenaud, *Sticking the Landing*, NeurIPS 2017; B. Polyak, A. Juditsky, *Acceleration of
@@ -198,10 +200,10 @@ class AutoBranchGuide(HierarchicalGuide):
         stick_the_landing: bool | None = None,
         num_summary_samples: int = 1000,
         control_variate: bool = True,
-        mean_units: bool = False,
+        mean_units: bool | None = None,
     ) -> None:
-        if not isinstance(mean_units, bool):
-            raise ValueError(f"mean_units must be True or False, got {mean_units!r}")
+        if mean_units is not None and not isinstance(mean_units, bool):
+            raise ValueError(f"mean_units must be None, True or False, got {mean_units!r}")
         if not isinstance(control_variate, bool):
             raise ValueError(f"control_variate must be True or False, got {control_variate!r}")
         if not (isinstance(num_summary_samples, int) and num_summary_samples > 1):
@@ -238,6 +240,13 @@ class AutoBranchGuide(HierarchicalGuide):
         self._global_level = next((level for level in self.levels if not level.plates), None)
         self.conjugate_levels: tuple[str, ...] = tuple(
             level.name for level in self.levels if self._may_be_conjugate(level, structure)
+        )
+        subsampled = set(structure.subsampled_plates)
+        self._units_levels: frozenset[str] = frozenset(
+            level.name
+            for level in self.levels
+            if level.name in self.conjugate_levels
+            and (self.mean_units or (self.mean_units is None and subsampled.intersection(level.plates)))
         )
         self.locs = PyroModule()
         self.weights = PyroModule()
@@ -1179,9 +1188,10 @@ class AutoBranchGuide(HierarchicalGuide):
 
     # ---- conjugate levels' means in units of their sd -----------------------------------------------------------
     def _in_units(self, level: PlateLevel) -> bool:
-        """Whether a level's location is parameterised in units of its sd (:meth:`_level_mean`): the conjugate levels,
-        with ``mean_units=True``. A hook: the amortized guide keeps plain locations."""
-        return self.mean_units and level.name in self.conjugate_levels
+        """Whether a level's location is parameterised in units of its sd (:meth:`_level_mean`): the conjugate levels
+        chosen by ``mean_units`` (by default those the model subsamples). A hook: the amortized guide keeps plain
+        locations."""
+        return level.name in self._units_levels
 
     def _level_mean(self, level: PlateLevel, plates: dict | None = None) -> torch.Tensor:
         r"""A level's location parameter (a linear level's mean, a conjugate level's conditional mean at its reference)

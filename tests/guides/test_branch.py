@@ -455,3 +455,25 @@ def test_group_means_move_in_units_of_their_sd():
     ref = p.moments["z"]
     rms = float(((mean.reshape(ref.mean.shape) - ref.mean) / ref.sd).pow(2).mean().sqrt())
     assert rms < 0.07, rms
+
+
+def test_group_means_are_in_units_by_default_where_the_model_subsamples_them():
+    """``mean_units=None`` (the default) puts a conjugate level's mean in units of its sd when the guide's first call
+    subsamples the level's plate (a minibatch of groups), and keeps it plain on full-data calls; ``True``/``False``
+    override."""
+    p = synthetic_regression(num_groups=20, num_obs=5, dim=2, seed=0)
+    x, y = p.args[:2]
+
+    def units(first_call_kwargs, **options):
+        pyro.clear_param_store()
+        guide = AutoBranchGuide(p.model, **options)
+        guide(x, y, **first_call_kwargs)
+        return sorted(guide._units_levels)
+
+    minibatch = {"subsample": torch.arange(5)}
+    assert units(minibatch) == ["groups"]
+    assert units({}) == []
+    assert units({}, mean_units=True) == ["groups"]
+    assert units(minibatch, mean_units=False) == []
+    with pytest.raises(ValueError, match="mean_units"):
+        AutoBranchGuide(p.model, mean_units="yes")
