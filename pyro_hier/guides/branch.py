@@ -174,14 +174,17 @@ class AutoBranchGuide(HierarchicalGuide):
     :param mean_units: keep a conjugate level's mean in units of q's sd at the element's reference
         (:meth:`_level_mean`), so that an Adam step moves it by about the learning rate times the element's sd
         (with a plain mean, about the rate whatever the sd). ``None`` (default): in units for the conjugate levels
-        whose plate the model subsamples (minibatches of groups, seen on the guide's first call), plain otherwise;
-        ``True``/``False``: every conjugate level. A subsampled group gets a step only when its minibatch comes, and
-        with a plain mean that step is the rate whatever its sd: on the synthetic regression (groups of 100
-        observations, sd about 0.1, rate 0.05) the groups' means stayed 0.3 sd off (rms over 1,000 groups; 0.09 in
-        units), and benchmarks/crossover.py reached 0.1 sd at 10^3 groups in 12.1 CPU s in units (plain 18.4) and at
-        10^5 in 588 s (plain: not within 740 s; NumPyro's NUTS is about 7,400 s there). With full-data steps every
+        whose plate the model subsamples (minibatches of groups, seen on the guide's first call) and whose own
+        observations are Normal, plain otherwise; ``True``/``False``: every conjugate level. A subsampled group
+        gets a step only when its minibatch comes, and with a plain mean that step is the rate whatever its sd: on
+        the synthetic regression (groups of 100 observations, sd about 0.1, rate 0.05) the groups' means stayed 0.3
+        sd off (rms over 1,000 groups; 0.09 in units), and benchmarks/crossover.py (minibatches of 100) reached 0.1 sd
+        at 10^3 groups in 24.3 CPU s in units at the rate 0.05 and 9.2 s at 0.01 (plain: 42.2 and 16.0) and at 10^5
+        in 588 s (plain: not within 740 s; NumPyro's NUTS is about 7,400 s there). With full-data steps every
         group moves on every step, and in units radon (Uniform priors, seed 0, drop-in loop) gave 0.094 at the rate
-        0.05 and 0.075 at 0.01 but 0.76 at 0.005 (plain: 0.30): hence plain there.
+        0.05 and 0.075 at 0.01 but 0.76 at 0.005 (plain: 0.30): hence plain there. On a hierarchical logistic
+        regression on minibatches (crossover.py's, 10^3 groups) units were worse: max error 1.1 sd after 80 CPU s at
+        the rate 0.05 and 4.5 at 0.01 (plain: 0.19), so levels with non-Gaussian observations stay plain.
 
     References: A. Agrawal, J. Domke, *Amortized Variational Inference for Simple Hierarchical Models*, NeurIPS 2021;
     G. Roeder, Y. Wu, D. Duvenaud, *Sticking the Landing*, NeurIPS 2017; B. Polyak, A. Juditsky, *Acceleration of
@@ -246,7 +249,14 @@ class AutoBranchGuide(HierarchicalGuide):
             level.name
             for level in self.levels
             if level.name in self.conjugate_levels
-            and (self.mean_units or (self.mean_units is None and subsampled.intersection(level.plates)))
+            and (
+                self.mean_units
+                or (
+                    self.mean_units is None
+                    and subsampled.intersection(level.plates)
+                    and self._gaussian_observations(level, structure)
+                )
+            )
         )
         self.locs = PyroModule()
         self.weights = PyroModule()
@@ -295,6 +305,13 @@ class AutoBranchGuide(HierarchicalGuide):
             d_anc = self._ancestor_numel(level)
             weight = init.new_zeros((*level.batch_shape, d, d_anc))
             setattr(self.weights, level.name, PyroParam(weight, constraints.real, event_dim=2))
+
+    @staticmethod
+    def _gaussian_observations(level: PlateLevel, structure: ModelStructure) -> bool:
+        """Whether the level has observations of its own (observed sites with one of its sites as a parent) and all of
+        them are Normal (behind any ``to_event``, ``expand`` or mask)."""
+        observed = [name for name in structure.observed if set(structure.parents[name]) & set(level.sites)]
+        return bool(observed) and all(_is_normal(structure.observed[name].fn) for name in observed)
 
     def _may_be_conjugate(self, level: PlateLevel, structure: ModelStructure) -> bool:
         """Whether a level gets the conjugate conditional: a plated level whose sites' prior conditionals are Gaussian
@@ -1189,7 +1206,8 @@ class AutoBranchGuide(HierarchicalGuide):
     # ---- conjugate levels' means in units of their sd -----------------------------------------------------------
     def _in_units(self, level: PlateLevel) -> bool:
         """Whether a level's location is parameterised in units of its sd (:meth:`_level_mean`): the conjugate levels
-        chosen by ``mean_units`` (by default those the model subsamples). A hook: the amortized guide keeps plain
+        chosen by ``mean_units`` (by default those the model subsamples, with Normal observations). A hook: the
+        amortized guide keeps plain
         locations."""
         return level.name in self._units_levels
 
@@ -1531,6 +1549,14 @@ def _psd_root(matrix: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
 
 def _as_list(plates) -> list:
     return [plates] if isinstance(plates, pyro.plate) else list(plates)
+
+
+def _is_normal(fn) -> bool:
+    """Whether a distribution is a Normal behind wrappers (``Independent``, ``ExpandedDistribution``,
+    ``MaskedDistribution``)."""
+    while hasattr(fn, "base_dist"):
+        fn = fn.base_dist
+    return isinstance(fn, dist.Normal)
 
 
 def _subsample_size(plate: pyro.plate | PlateCall) -> int:

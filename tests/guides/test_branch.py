@@ -4,6 +4,7 @@ import itertools
 import math
 
 import pyro
+import pyro.distributions as dist
 import pytest
 import torch
 from pyro import poutine
@@ -477,3 +478,15 @@ def test_group_means_are_in_units_by_default_where_the_model_subsamples_them():
     assert units(minibatch, mean_units=False) == []
     with pytest.raises(ValueError, match="mean_units"):
         AutoBranchGuide(p.model, mean_units="yes")
+
+    def logistic(x, y, subsample=None):  # non-Gaussian observations: plain means on minibatches too
+        theta = pyro.sample("theta", dist.Normal(x.new_zeros(2), 1.0).to_event(1))
+        with pyro.plate("groups", x.shape[0], subsample=subsample, dim=-2) as i:
+            z = pyro.sample("z", dist.Normal(theta, 1.0).to_event(1))
+            with pyro.plate("obs", x.shape[1], dim=-1):
+                pyro.sample("y", dist.Bernoulli(logits=(x[i] @ z.transpose(-1, -2)).squeeze(-1)), obs=y[i])
+
+    pyro.clear_param_store()
+    guide = AutoBranchGuide(logistic)
+    guide(x, (y > 0).to(y.dtype), subsample=torch.arange(5))
+    assert guide.conjugate_levels == ("groups",) and not guide._units_levels
