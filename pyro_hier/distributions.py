@@ -10,7 +10,7 @@ import pyro.distributions as dist
 import torch
 from torch.distributions import constraints
 
-__all__ = ["StickingTheLanding"]
+__all__ = ["ConjugateScorer", "StickingTheLanding"]
 
 
 class StickingTheLanding(dist.TorchDistribution):
@@ -86,3 +86,76 @@ class StickingTheLanding(dist.TorchDistribution):
     def expand(self, batch_shape, _instance=None) -> StickingTheLanding:
         batch_shape = torch.Size(batch_shape)
         return StickingTheLanding(self.sampler.expand(batch_shape), self.scorer.expand(batch_shape))
+
+
+class ConjugateScorer(dist.TorchDistribution):
+    r"""The scorer of :class:`StickingTheLanding` for a conjugate conditional whose prior part is live and whose
+    pseudo-observation is held: :math:`q(u) = \mathcal N(\ell, P^{-1})` with
+
+    .. math::
+
+        P = \operatorname{diag}(p_0) + \Lambda, \qquad \ell = P^{-1}(p_0 \odot m_0 + \eta),
+
+    :math:`(m_0, p_0)` the prior conditional's mean and precision (diagonal) at the parents' draws, with gradients,
+    and :math:`(\Lambda, \eta)` the pseudo-observation, held (the variational parameters). ``log_prob`` has the value
+    of ``MultivariateNormal(loc, scale_tril=scale_tril).log_prob`` and the gradients of that density rebuilt from
+    :math:`(m_0, p_0)` and the held :math:`(\Lambda, \eta)`, in closed form from the sampler's own ``loc``
+    :math:`\ell` and ``scale_tril`` :math:`S` (:math:`S S^\top = P^{-1}`), so no second factorisation of
+    :math:`P` is made. With :math:`r = u - \ell`:
+
+    .. math::
+
+        \partial_u \log q = -P r, \qquad \partial_{m_0} \log q = p_0 \odot r, \qquad
+        \partial_{p_0} \log q = \tfrac12 \operatorname{diag}(P^{-1}) - \tfrac12 r \odot r + r \odot (m_0 - \ell).
+
+    The first is that of the held Gaussian; the others enter as a zero-valued term
+    :math:`g^\top (x - x_{\text{stop}})`.
+
+    Example::
+
+        loc, scale_tril = gaussian_update(prior, lam, natural)             # the sampler's, with gradients
+        q = StickingTheLanding(MultivariateNormal(loc, scale_tril=scale_tril),
+                               ConjugateScorer(loc, scale_tril, prior.loc, prior.precision))
+
+    Reference: G. Roeder, Y. Wu, D. Duvenaud, *Sticking the Landing*, NeurIPS 2017; C. M. Bishop, *Pattern
+    Recognition and Machine Learning*, 2006, §2.3.3.
+    """
+
+    arg_constraints: ClassVar[dict] = {}
+    support = constraints.real_vector
+
+    def __init__(
+        self,
+        loc: torch.Tensor,
+        scale_tril: torch.Tensor,
+        prior_loc: torch.Tensor,
+        prior_precision: torch.Tensor,
+        validate_args=None,
+    ) -> None:
+        self.held = dist.MultivariateNormal(loc.detach(), scale_tril=scale_tril.detach())
+        self.prior_loc, self.prior_precision = prior_loc, prior_precision
+        super().__init__(self.held.batch_shape, self.held.event_shape, validate_args=False)
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        log_q = self.held.log_prob(value)
+        loc, tril = self.held.loc, self.held._unbroadcasted_scale_tril
+        with torch.no_grad():
+            r = value - loc
+            m0, p0 = self.prior_loc.detach(), self.prior_precision.detach()
+            cov_diag = tril.pow(2).sum(-1)
+            grad_p0 = 0.5 * cov_diag - 0.5 * r * r + r * (m0 - loc)
+            grad_m0 = p0 * r
+        m0, p0 = self.prior_loc, self.prior_precision
+        term = grad_p0 * (p0 - p0.detach()) + grad_m0 * (m0 - m0.detach())
+        return log_q + term.sum(-1)
+
+    def expand(self, batch_shape, _instance=None) -> ConjugateScorer:
+        batch_shape = torch.Size(batch_shape)
+        d = self.event_shape
+        held = self.held.expand(batch_shape)
+        return ConjugateScorer(
+            held.loc,
+            held._unbroadcasted_scale_tril.expand(batch_shape + d + d),
+            self.prior_loc.expand(batch_shape + d),
+            self.prior_precision.expand(batch_shape + d),
+        )
