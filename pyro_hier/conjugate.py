@@ -374,6 +374,7 @@ def conjugate_conditional(
     factor: torch.Tensor,
     shift: torch.Tensor | None = None,
     log_stretch: torch.Tensor | None = None,
+    precision_tril: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""``(loc, scale)`` of :math:`q(u \mid \mathrm{pa})` (module docstring), ``scale`` the sd ``(..., d)`` when
     ``factor`` is a vector (independent coordinates) and the lower Cholesky factor of the covariance ``(..., d, d)``
@@ -390,6 +391,8 @@ def conjugate_conditional(
         parameter :math:`\Lambda t`, or ``None``.
     :param log_stretch: :math:`C (\theta - \bar\theta)` (``(..., d)``), the log of its precision's stretch, or
         ``None``.
+    :param precision_tril: for a matrix ``factor``, return the lower Cholesky factor of q's precision instead of its
+        covariance's (:func:`gaussian_update`).
     """
     if factor.dim() == mean.dim():  # independent coordinates: everything elementwise
         lam_ref = (fisher_sd * factor).pow(2)
@@ -414,11 +417,11 @@ def conjugate_conditional(
         lam = e.unsqueeze(-1) * lam_ref * e.unsqueeze(-2)
     else:
         lam = lam_ref
-    return gaussian_update(prior, lam, natural)
+    return gaussian_update(prior, lam, natural, precision_tril=precision_tril)
 
 
 def gaussian_update(
-    prior: GaussianPrior, precision: torch.Tensor, natural: torch.Tensor
+    prior: GaussianPrior, precision: torch.Tensor, natural: torch.Tensor, precision_tril: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""The prior conditional times a Gaussian pseudo-observation given in natural parameters: ``(loc, scale)`` of
 
@@ -427,8 +430,10 @@ def gaussian_update(
     with :math:`\Lambda` = ``precision`` and :math:`\eta` = ``natural`` (``(..., d)``: :math:`\Lambda t` of the
     pseudo-observation :math:`\mathcal N(t;\ u, \Lambda^{-1})`). ``scale`` is the sd ``(..., d)`` when the prior's
     precision and ``precision`` are both diagonal (vectors ``(..., d)``), else the lower Cholesky factor of the
-    covariance ``(..., d, d)``. :math:`\Lambda` need not be invertible (a group with fewer observations than
-    dimensions)."""
+    covariance ``(..., d, d)`` — or, with ``precision_tril=True``, of the precision :math:`P_0 + \Lambda` (one
+    Cholesky factorisation and two triangular solves with a vector:
+    :class:`~pyro_hier.distributions.CholeskyPrecisionNormal` samples and scores from it). :math:`\Lambda` need not
+    be invertible (a group with fewer observations than dimensions)."""
     if prior.diagonal and precision.dim() == natural.dim():
         total = prior.precision + precision
         return (prior.precision * prior.loc + natural) / total, total.rsqrt()
@@ -439,6 +444,13 @@ def gaussian_update(
     else:
         total = prior.precision + lam
         eta = (prior.precision @ prior.loc.unsqueeze(-1)).squeeze(-1) + natural
+    if precision_tril:
+        tril = torch.linalg.cholesky(total)
+        batch = torch.broadcast_shapes(tril.shape[:-2], eta.shape[:-1])
+        d = eta.shape[-1]
+        tril = tril.expand((*batch, d, d))
+        white = torch.linalg.solve_triangular(tril, eta.expand((*batch, d)).unsqueeze(-1), upper=False)
+        return torch.linalg.solve_triangular(tril.mT, white, upper=True).squeeze(-1), tril  # (C Cᵀ)⁻¹ η
     scale_tril = precision_to_scale_tril(total)  # (one factorisation for both: loc = L Lᵀ e)
     loc = (scale_tril @ (scale_tril.mT @ eta.unsqueeze(-1))).squeeze(-1)
     return loc, scale_tril

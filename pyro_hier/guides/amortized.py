@@ -26,7 +26,7 @@ from pyro_hier.conjugate import (
     psd_root,
     pseudo_observation,
 )
-from pyro_hier.distributions import StickingTheLanding
+from pyro_hier.distributions import CholeskyPrecisionNormal, StickingTheLanding
 from pyro_hier.errors import StructureError
 from pyro_hier.gather_maps import full_data_call
 from pyro_hier.gathers import keep_random_state
@@ -1278,10 +1278,10 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             deltas = self._global_deviation(values[self._global_level.name])
 
         def build(detach: bool, delta: torch.Tensor | None) -> dist.TorchDistribution:
-            loc, scale = self._conjugate_params(level, prior, delta, detach)
+            loc, scale = self._conjugate_params(level, prior, delta, detach, precision_tril=True)
             if scale.dim() == loc.dim():
                 return dist.Normal(loc, scale).to_event(1)
-            return dist.MultivariateNormal(loc, scale_tril=scale)
+            return CholeskyPrecisionNormal(loc, scale)  # (scale: the precision's factor)
 
         q = build(False, None if deltas is None else deltas[0])
         if self.stick_the_landing is False or not torch.is_grad_enabled():  # (the scorer only changes gradients)
@@ -1292,12 +1292,13 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         return StickingTheLanding(q, build(True, None if deltas is None else deltas[1]))
 
     def _conjugate_params(
-        self, level: PlateLevel, prior, delta: torch.Tensor | None, detach: bool = False
+        self, level: PlateLevel, prior, delta: torch.Tensor | None, detach: bool = False, precision_tril: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loc, scale)`` of a conjugate level's q on this call: ``prior`` (a
         :class:`~pyro_hier.conjugate.GaussianPrior`) times the networks' and the model's pseudo-observations, the
         latter moved by ``delta`` (the globals' draw less their mean) when it has slopes; ``detach``: the networks'
-        part without gradient (the scorer of sticking the landing)."""
+        part without gradient (the scorer of sticking the landing); ``precision_tril``: a matrix ``scale`` is the
+        Cholesky factor of q's precision, not of its covariance (:func:`~pyro_hier.conjugate.gaussian_update`)."""
         assert self._decoded is not None
         potential = self._decoded[level.name]
         precision, shift = potential.precision, potential.shift
@@ -1317,7 +1318,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             precision, shift = precision + info, shift + natural
         if level.numel == 1 and precision.dim() > shift.dim():  # one coordinate: elementwise
             precision = precision.squeeze(-1)
-        return gaussian_update(prior, precision, shift)
+        return gaussian_update(prior, precision, shift, precision_tril=precision_tril)
 
     def _linearised_conditional(self, name: str, args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
         r"""A conjugate level's conditional in the paper's form :math:`\mathcal N(\mu_i + A_i \theta, \Sigma_i)`,

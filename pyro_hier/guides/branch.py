@@ -27,7 +27,7 @@ from pyro_hier.conjugate import (
     psd_root,
     rebase,
 )
-from pyro_hier.distributions import ConjugateScorer, StickingTheLanding
+from pyro_hier.distributions import CholeskyPrecisionNormal, ConjugateScorer, StickingTheLanding
 from pyro_hier.gather_maps import CallGathers, GatherMaps, full_call_gathers, full_data_call
 from pyro_hier.gathers import keep_random_state
 from pyro_hier.guides.base import HierarchicalGuide, concat_broadcast
@@ -742,16 +742,16 @@ class AutoBranchGuide(HierarchicalGuide):
             moves = [None, None]
             if slopes is not None:
                 moves = [(slope @ delta.unsqueeze(-1)).squeeze(-1) for slope in slopes]
-            loc, scale = conjugate_conditional(prior, *refs, mean, factor, *moves)
+            loc, scale = conjugate_conditional(prior, *refs, mean, factor, *moves, precision_tril=not diagonal)
             if diagonal:
                 return dist.Normal(loc, scale).to_event(1)
-            return dist.MultivariateNormal(loc, scale_tril=scale)
+            return CholeskyPrecisionNormal(loc, scale)  # (scale: the precision's factor)
 
         q = build(mean, factor)
         if self.stick_the_landing is False or not torch.is_grad_enabled():  # (the scorer only changes gradients)
             return q
         if not diagonal and prior.diagonal and slopes is None:  # the same scorer from q's own factor, in closed form
-            return StickingTheLanding(q, ConjugateScorer(q.loc, q.scale_tril, prior.loc, prior.precision))
+            return StickingTheLanding(q, ConjugateScorer(q.loc, q.precision_tril, prior.loc, prior.precision))
         return StickingTheLanding(q, build(mean.detach(), factor.detach(), None if deltas is None else deltas[1]))
 
     def _global_deviation(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1055,7 +1055,7 @@ class AutoBranchGuide(HierarchicalGuide):
         while isinstance(fn, dist.Independent):
             fn = fn.base_dist
         mean = fn.mean.detach()
-        if isinstance(fn, torch.distributions.MultivariateNormal):
+        if isinstance(fn, torch.distributions.MultivariateNormal | CholeskyPrecisionNormal):
             cov = fn.covariance_matrix.detach()
         else:
             cov = fn.variance.detach()
@@ -1521,7 +1521,7 @@ def _accumulate_moments(acc: list, level: PlateLevel, tr, guide: AutoBranchGuide
         fn = fn.base_dist
     shape = site["value"].shape
     mean = fn.mean.expand(shape)
-    if isinstance(fn, torch.distributions.MultivariateNormal):
+    if isinstance(fn, torch.distributions.MultivariateNormal | CholeskyPrecisionNormal):
         cov = fn.covariance_matrix.expand((*shape, shape[-1]))
     else:
         cov = torch.diag_embed(fn.variance.expand(shape))
