@@ -26,7 +26,7 @@ from pyro_hier.conjugate import (
     psd_root,
     pseudo_observation,
 )
-from pyro_hier.distributions import CholeskyPrecisionNormal, StickingTheLanding
+from pyro_hier.distributions import StickingTheLanding
 from pyro_hier.errors import StructureError
 from pyro_hier.gather_maps import full_data_call
 from pyro_hier.gathers import keep_random_state
@@ -418,7 +418,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         #: the expanded levels' last expansion: (call key, training calls when made, refreshes on that key,
         #: {level: (precision, natural parameter, slopes or None)})
         self._expansion_cache: tuple | None = None
-        self._expansion_centres: dict[str, torch.Tensor] = {}  # the leaf levels' last expansion points (the modes)
+        self._expansion_centres: dict[str, torch.Tensor] = {}  # leaf levels: each element's last mode (full size)
         self._model_run: tuple | None = None  # the last inspection run of the model, keyed by its arguments
         self._expanded: dict = {}  # the expansions of the current call
         self._data_expansion: tuple | None = None  # the last call's with data, and its plates' indices
@@ -939,14 +939,14 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
 
             centre = centres[name]
             iterate = collapse is None and EXPANSION_NEWTON_STEPS > 0
-            warm = self._expansion_centres.get(name) if old is not None and iterate else None
-            if warm is not None and warm.shape == centre.shape:  # (the same call: from the last mode found)
-                centre = centres[name] = warm
+            if iterate:  # from the elements' last modes, where known
+                centre = centres[name] = self._warm_centre(level, calls, centre)
                 values.update(self._level_values(level, centre))
             gradient, curvature = expand(values)
             if iterate:
                 centre, gradient, curvature = self._expansion_mode(level, values, centre, gradient, curvature, expand)
-                centres[name] = self._expansion_centres[name] = centre
+                centres[name] = centre
+                self._keep_centre(level, calls, centre)
                 values.update(self._level_values(level, centre))
             info, natural = pseudo_observation(gradient, curvature, centre, self._is_diagonal(level))
             slopes = None
@@ -968,6 +968,35 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
                 None if slopes is None else tuple(t.reshape((*shape, *t.shape[-2:])) for t in slopes),
             )
         return made
+
+    def _warm_centre(self, level: PlateLevel, calls: dict, centre: torch.Tensor) -> torch.Tensor:
+        """Where :meth:`_expansion_mode` starts: each element's last mode (kept by :meth:`_keep_centre`, in this process
+        only: a cache, not state), else ``centre`` (the prior conditional's mean)."""
+        table = self._expansion_centres.get(level.name)
+        rows = self._centre_rows(level, calls, centre)
+        if table is None or rows is None or table.shape[-1] != centre.shape[-1]:
+            return centre
+        warm = table[rows].to(centre.dtype)
+        return torch.where(torch.isfinite(warm).all(-1, keepdim=True), warm, centre)
+
+    def _keep_centre(self, level: PlateLevel, calls: dict, centre: torch.Tensor) -> None:
+        rows = self._centre_rows(level, calls, centre)
+        if rows is None:
+            return
+        assert self.structure is not None
+        size = self.structure.plates[level.plates[0]].size
+        table = self._expansion_centres.get(level.name)
+        if table is None or table.shape != (size, centre.shape[-1]) or table.dtype != centre.dtype:
+            table = self._expansion_centres[level.name] = centre.new_full((size, centre.shape[-1]), float("nan"))
+        table[rows] = centre.detach()
+
+    def _centre_rows(self, level: PlateLevel, calls: dict, centre: torch.Tensor) -> torch.Tensor | None:
+        """The plate indices of ``centre``'s rows, for a level of one plate whose elements are its rows (else
+        ``None``: no warm start)."""
+        if len(level.plates) != 1 or centre.dim() != 2:
+            return None
+        rows = calls[level.plates[0]].indices
+        return rows.to(centre.device) if rows.shape[0] == centre.shape[0] else None
 
     def _expansion_mode(
         self,
@@ -1278,10 +1307,10 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             deltas = self._global_deviation(values[self._global_level.name])
 
         def build(detach: bool, delta: torch.Tensor | None) -> dist.TorchDistribution:
-            loc, scale = self._conjugate_params(level, prior, delta, detach, precision_tril=True)
+            loc, scale = self._conjugate_params(level, prior, delta, detach)
             if scale.dim() == loc.dim():
                 return dist.Normal(loc, scale).to_event(1)
-            return CholeskyPrecisionNormal(loc, scale)  # (scale: the precision's factor)
+            return dist.MultivariateNormal(loc, scale_tril=scale)
 
         q = build(False, None if deltas is None else deltas[0])
         if self.stick_the_landing is False or not torch.is_grad_enabled():  # (the scorer only changes gradients)
@@ -1292,13 +1321,12 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         return StickingTheLanding(q, build(True, None if deltas is None else deltas[1]))
 
     def _conjugate_params(
-        self, level: PlateLevel, prior, delta: torch.Tensor | None, detach: bool = False, precision_tril: bool = False
+        self, level: PlateLevel, prior, delta: torch.Tensor | None, detach: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loc, scale)`` of a conjugate level's q on this call: ``prior`` (a
         :class:`~pyro_hier.conjugate.GaussianPrior`) times the networks' and the model's pseudo-observations, the
         latter moved by ``delta`` (the globals' draw less their mean) when it has slopes; ``detach``: the networks'
-        part without gradient (the scorer of sticking the landing); ``precision_tril``: a matrix ``scale`` is the
-        Cholesky factor of q's precision, not of its covariance (:func:`~pyro_hier.conjugate.gaussian_update`)."""
+        part without gradient (the scorer of sticking the landing)."""
         assert self._decoded is not None
         potential = self._decoded[level.name]
         precision, shift = potential.precision, potential.shift
@@ -1318,7 +1346,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             precision, shift = precision + info, shift + natural
         if level.numel == 1 and precision.dim() > shift.dim():  # one coordinate: elementwise
             precision = precision.squeeze(-1)
-        return gaussian_update(prior, precision, shift, precision_tril=precision_tril)
+        return gaussian_update(prior, precision, shift)
 
     def _linearised_conditional(self, name: str, args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
         r"""A conjugate level's conditional in the paper's form :math:`\mathcal N(\mu_i + A_i \theta, \Sigma_i)`,
