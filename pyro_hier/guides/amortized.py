@@ -69,7 +69,7 @@ EXPANSION_EVERY = 10
 #: calls until the next, up to 64 times :data:`EXPANSION_EVERY`; one that moved more brings them back to it
 EXPANSION_TOLERANCE = 0.05
 EXPANSION_NEWTON_STEPS = 8
-EXPANSION_NEWTON_TOLERANCE = 1e-3
+EXPANSION_NEWTON_TOLERANCE = 1e-6  # (in float32 no finer than 1e-3: the gradient's rounding)
 
 
 @dataclass(frozen=True)
@@ -1036,7 +1036,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             step = ((target - centre).abs() * p0.sqrt()).amax()
             centre = target
             gradient, curvature = expand(values, centre)
-            if float(step) < EXPANSION_NEWTON_TOLERANCE:
+            if float(step) < (EXPANSION_NEWTON_TOLERANCE if centre.dtype == torch.float64 else 1e-3):
                 break
         return centre, gradient, curvature
 
