@@ -66,7 +66,8 @@ EXPANSION_EVERY = 10
 #: Newton steps that move a leaf level's expansion point from its prior's mean to its conditional posterior's mode (at
 #: most; see :meth:`AutoAmortizedBranchGuide._expansion_mode`), and the step (in prior sds) below which they stop
 #: an expansion that moved by less than this (relative to each tensor's largest entry) since the last one doubles the
-#: calls until the next, up to 64 times :data:`EXPANSION_EVERY`; one that moved more brings them back to it
+#: calls until the next, up to 64 times :data:`EXPANSION_EVERY`; one that moved more brings them back to it (where an
+#: expanded level has slopes on the globals: only one that did not move, to rounding)
 EXPANSION_TOLERANCE = 0.05
 EXPANSION_NEWTON_STEPS = 8
 EXPANSION_NEWTON_TOLERANCE = 1e-6  # (in float32 no finer than 1e-3: the gradient's rounding)
@@ -121,9 +122,10 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
     with the globals' draw at slopes read from the model (``covariance="dense"``, as
     :class:`~pyro_hier.AutoBranchGuide`'s conjugate levels; :meth:`_add_expansions`). It holds no parameter, so the
     parameter count stays independent of the number of groups; it is redone every :data:`EXPANSION_EVERY` training
-    calls, less often (up to 64 times) while a redo moves it by less than :data:`EXPANSION_TOLERANCE`. The networks'
-    potentials :math:`(L_{ij}, t_{ij})` below add what it lacks (a likelihood that is not
-    Gaussian): they are on the levels without an expansion, and on every level when ``observation_net`` is given.
+    calls, less often (up to 64 times) while a redo moves it by less than :data:`EXPANSION_TOLERANCE` (without
+    slopes; with slopes, while it does not move). The networks' potentials :math:`(L_{ij}, t_{ij})` below add what
+    it lacks (a likelihood that is not Gaussian): they are on the levels without an expansion, and on every level
+    when ``observation_net`` is given.
     Levels whose prior conditional is not Gaussian keep the linear natural form below. Sticking the landing is used
     (``stick_the_landing=None``) on the conjugate levels only, whose family contains the posterior conditional of a
     Gaussian hierarchy; the globals' free parameters are Polyak-averaged for calls without gradients, as the branch
@@ -831,7 +833,9 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             made = self._at_elements(*self._data_expansion, held, "the last call that had the observations")
         else:
             self._data_expansion = (made, held)
-        if old is not None and _same_expansions(made, old, EXPANSION_TOLERANCE):  # it hardly moved: back off
+        # it hardly moved: back off (to rounding where it moves with the globals' draw: its slopes are reread with it)
+        tolerance = 0.0 if any(slopes is not None for _, _, slopes in made.values()) else EXPANSION_TOLERANCE
+        if old is not None and _same_expansions(made, old, tolerance):
             every = min(2 * cached[5], EXPANSION_EVERY * 2**6)
         self._expansion_cache = (key, calls_done, refreshes, made, held, every)
         self._expanded = self._at_elements(made, held, indices, "the call")
