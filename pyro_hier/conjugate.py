@@ -80,6 +80,7 @@ __all__ = [
     "newton_mean",
     "precision_to_scale_tril",
     "psd_part",
+    "psd_root",
     "pseudo_observation",
     "rebase",
 ]
@@ -173,6 +174,16 @@ def precision_to_scale_tril(precision: torch.Tensor) -> torch.Tensor:
     flipped = torch.linalg.cholesky(precision.flip(-2, -1))
     eye = torch.eye(precision.shape[-1], dtype=precision.dtype, device=precision.device)
     return torch.linalg.solve_triangular(flipped.mT, eye, upper=True).flip(-2, -1)
+
+
+def psd_root(matrix: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+    """A lower-triangular root of a symmetric matrix made positive definite: its eigenvalues clamped below at the
+    smallest of ``floor (..., d)`` (a curvature is not positive definite where the likelihood is not log-concave, or
+    where an element has no data)."""
+    sym = 0.5 * (matrix + matrix.mT)
+    values, vectors = torch.linalg.eigh(sym)
+    values = values.clamp(min=floor.min(-1, keepdim=True).values)
+    return torch.linalg.cholesky((vectors * values.unsqueeze(-2)) @ vectors.mT)
 
 
 def psd_part(matrix: torch.Tensor) -> torch.Tensor:
@@ -274,7 +285,8 @@ def element_expansion(
     subsamples: dict[str, torch.Tensor] | None = None,
     observed: Iterable[str] = (),
     collapse: Callable[[poutine.Trace], tuple[set[str], torch.Tensor, float]] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    curvature: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""The second-order expansion of the rest of the model at each element of a level: the gradient
     :math:`g_i = \partial \log p(\text{everything but the level's own prior}) / \partial u_i` ``(..., d)`` and the
     curvature blocks :math:`F_i = -\partial^2 \log p(\ldots) / \partial u_i^2` ``(..., d, d)``, at the level's
@@ -290,6 +302,8 @@ def element_expansion(
     log_z, scale)``, the sites it covers, its log density (any shape, summed) and their scale. A level below this one
     whose conditional is its prior times a Gaussian pseudo-observation is integrated out this way
     (:func:`gaussian_log_normaliser`), so the expansion is that of the level's marginal likelihood.
+
+    ``curvature=False``: the gradient alone (no Hessian-vector products), with ``None`` for the curvature.
 
     :raises Unobserved: if a site of ``observed`` is sampled, not observed, in this call (its data omitted, as in
         ``Predictive(model, guide=guide)`` with ``obs=None``): the expansion would read a draw as data.
@@ -315,13 +329,13 @@ def element_expansion(
                 log_p = log_p * site["mask"]
             total = total + (log_p * (site["scale"] / plate_scale)).sum()
         d = u.shape[-1]
-        flat = u.new_zeros((*u.shape, d))
+        flat = u.new_zeros((*u.shape, d)) if curvature else None
         if not total.requires_grad:  # nothing in the model reads the level (e.g. a latent observation): no curvature
             return torch.zeros_like(u), flat
-        (grad,) = torch.autograd.grad(total, u, create_graph=True, allow_unused=True)
+        (grad,) = torch.autograd.grad(total, u, create_graph=curvature, allow_unused=True)
         if grad is None:
             return torch.zeros_like(u), flat
-        if not grad.requires_grad:  # read only linearly
+        if not curvature or not grad.requires_grad:  # (read only linearly: no curvature)
             return grad.detach(), flat
         columns = []
         for k in range(d):
@@ -360,6 +374,7 @@ def conjugate_conditional(
     factor: torch.Tensor,
     shift: torch.Tensor | None = None,
     log_stretch: torch.Tensor | None = None,
+    precision_tril: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""``(loc, scale)`` of :math:`q(u \mid \mathrm{pa})` (module docstring), ``scale`` the sd ``(..., d)`` when
     ``factor`` is a vector (independent coordinates) and the lower Cholesky factor of the covariance ``(..., d, d)``
@@ -376,6 +391,8 @@ def conjugate_conditional(
         parameter :math:`\Lambda t`, or ``None``.
     :param log_stretch: :math:`C (\theta - \bar\theta)` (``(..., d)``), the log of its precision's stretch, or
         ``None``.
+    :param precision_tril: for a matrix ``factor``, return the lower Cholesky factor of q's precision instead of its
+        covariance's (:func:`gaussian_update`).
     """
     if factor.dim() == mean.dim():  # independent coordinates: everything elementwise
         lam_ref = (fisher_sd * factor).pow(2)
@@ -391,8 +408,8 @@ def conjugate_conditional(
     root = _root(fisher_sd, factor, mean)
     lam_ref = root @ root.mT
     p_ref = ref_precision if ref_precision.dim() > mean.dim() else torch.diag_embed(ref_precision)
-    # Λ̄ t̄ = Λ̄ m̄0 + (P̄0 + Λ̄)(M̄ − m̄0)
-    natural = (lam_ref @ ref_loc.unsqueeze(-1) + (p_ref + lam_ref) @ (mean - ref_loc).unsqueeze(-1)).squeeze(-1)
+    # Λ̄ t̄ = Λ̄ m̄0 + (P̄0 + Λ̄)(M̄ − m̄0) = Λ̄ M̄ + P̄0 (M̄ − m̄0)
+    natural = (lam_ref @ mean.unsqueeze(-1) + p_ref @ (mean - ref_loc).unsqueeze(-1)).squeeze(-1)
     if shift is not None:
         natural = natural + shift
     if log_stretch is not None:
@@ -400,11 +417,11 @@ def conjugate_conditional(
         lam = e.unsqueeze(-1) * lam_ref * e.unsqueeze(-2)
     else:
         lam = lam_ref
-    return gaussian_update(prior, lam, natural)
+    return gaussian_update(prior, lam, natural, precision_tril=precision_tril)
 
 
 def gaussian_update(
-    prior: GaussianPrior, precision: torch.Tensor, natural: torch.Tensor
+    prior: GaussianPrior, precision: torch.Tensor, natural: torch.Tensor, precision_tril: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""The prior conditional times a Gaussian pseudo-observation given in natural parameters: ``(loc, scale)`` of
 
@@ -413,15 +430,27 @@ def gaussian_update(
     with :math:`\Lambda` = ``precision`` and :math:`\eta` = ``natural`` (``(..., d)``: :math:`\Lambda t` of the
     pseudo-observation :math:`\mathcal N(t;\ u, \Lambda^{-1})`). ``scale`` is the sd ``(..., d)`` when the prior's
     precision and ``precision`` are both diagonal (vectors ``(..., d)``), else the lower Cholesky factor of the
-    covariance ``(..., d, d)``. :math:`\Lambda` need not be invertible (a group with fewer observations than
-    dimensions)."""
+    covariance ``(..., d, d)`` — or, with ``precision_tril=True``, of the precision :math:`P_0 + \Lambda` (one
+    Cholesky factorisation and two triangular solves with a vector:
+    :class:`~pyro_hier.distributions.CholeskyPrecisionNormal` samples and scores from it). :math:`\Lambda` need not
+    be invertible (a group with fewer observations than dimensions)."""
     if prior.diagonal and precision.dim() == natural.dim():
         total = prior.precision + precision
         return (prior.precision * prior.loc + natural) / total, total.rsqrt()
-    p0 = prior.full_precision()
     lam = precision if precision.dim() > natural.dim() else torch.diag_embed(precision)
-    total = p0 + lam
-    eta = (p0 @ prior.loc.unsqueeze(-1)).squeeze(-1) + natural
+    if prior.diagonal:  # (elementwise: no matrix product with a diagonal matrix)
+        total = lam + torch.diag_embed(prior.precision)
+        eta = prior.precision * prior.loc + natural
+    else:
+        total = prior.precision + lam
+        eta = (prior.precision @ prior.loc.unsqueeze(-1)).squeeze(-1) + natural
+    if precision_tril:
+        tril = torch.linalg.cholesky(total)
+        batch = torch.broadcast_shapes(tril.shape[:-2], eta.shape[:-1])
+        d = eta.shape[-1]
+        tril = tril.expand((*batch, d, d))
+        white = torch.linalg.solve_triangular(tril, eta.expand((*batch, d)).unsqueeze(-1), upper=False)
+        return torch.linalg.solve_triangular(tril.mT, white, upper=True).squeeze(-1), tril  # (C Cᵀ)⁻¹ η
     scale_tril = precision_to_scale_tril(total)  # (one factorisation for both: loc = L Lᵀ e)
     loc = (scale_tril @ (scale_tril.mT @ eta.unsqueeze(-1))).squeeze(-1)
     return loc, scale_tril

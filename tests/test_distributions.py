@@ -5,7 +5,8 @@ import pyro.distributions as dist
 import pytest
 import torch
 
-from pyro_hier.distributions import StickingTheLanding
+from pyro_hier.conjugate import GaussianPrior, conjugate_conditional
+from pyro_hier.distributions import CholeskyPrecisionNormal, ConjugateScorer, StickingTheLanding
 
 
 def _normal_pair():
@@ -48,3 +49,56 @@ def test_expand_and_errors():
         StickingTheLanding(dist.Poisson(torch.ones(2)), dist.Poisson(torch.ones(2)))
     with pytest.raises(ValueError, match="same shapes"):
         StickingTheLanding(dist.Normal(torch.zeros(2), 1.0), dist.Normal(torch.zeros(3), 1.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_conjugate_scorer_equals_the_scorer_rebuilt_from_detached_parameters(dtype):
+    """Value and gradients (in the prior's parameters, the variational ones and through the draw, with particles) of
+    the closed-form scorer equal those of the conditional rebuilt with its variational parameters detached."""
+    g = torch.Generator().manual_seed(0)
+    n, d = 5, 3
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
+    mu, log_s = rand(d).requires_grad_(), rand(d).requires_grad_()
+    a, b = rand(n, d, d), rand(n, d, d)
+    eye = torch.eye(d, dtype=dtype)
+    refs = (rand(n, d), a @ a.mT + eye, torch.linalg.cholesky(b @ b.mT + eye))
+    mean = rand(n, d).requires_grad_()
+    factor = (eye + 0.1 * rand(n, d, d).tril()).requires_grad_()
+    prior = GaussianPrior(mu.expand(n, d), log_s.exp().pow(-2).expand(n, d))
+    loc, tril = conjugate_conditional(prior, *refs, mean, factor, precision_tril=True)
+    u = CholeskyPrecisionNormal(loc, tril).rsample((4,))
+    held_loc, held_tril = conjugate_conditional(prior, *refs, mean.detach(), factor.detach())
+    rebuilt = dist.MultivariateNormal(held_loc, scale_tril=held_tril)
+    scorer = ConjugateScorer(loc, tril, prior.loc, prior.precision).expand((4, n))
+    old, new = rebuilt.log_prob(u).sum(), scorer.log_prob(u).sum()
+    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 1e-10, "atol": 1e-10}
+    torch.testing.assert_close(new, old, **tol)
+    params = [mu, log_s, mean, factor]
+    for x, y in zip(torch.autograd.grad(new, params, retain_graph=True), torch.autograd.grad(old, params), strict=True):
+        torch.testing.assert_close(x, y, **tol)
+
+
+def test_cholesky_precision_normal_is_the_multivariate_normal_of_that_precision():
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(3, 4, 4, generator=g, dtype=torch.float64)
+    precision = a @ a.mT + torch.eye(4, dtype=torch.float64)
+    loc = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    q = CholeskyPrecisionNormal(loc, torch.linalg.cholesky(precision))
+    ref = dist.MultivariateNormal(loc, precision_matrix=precision)
+    u = torch.randn(5, 3, 4, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(q.log_prob(u), ref.log_prob(u))
+    torch.testing.assert_close(q.entropy(), ref.entropy())
+    torch.testing.assert_close(q.covariance_matrix, ref.covariance_matrix)
+    torch.testing.assert_close(q.variance, ref.variance)
+    torch.testing.assert_close(q.scale_tril, ref.scale_tril)
+    e = q.expand((2, 3))
+    assert e.batch_shape == (2, 3) and e.rsample().shape == (2, 3, 4)
+    torch.manual_seed(0)
+    draws = q.rsample((20000,))
+    torch.testing.assert_close(draws.mean(0), loc, atol=0.05, rtol=0)
+    centred = draws - loc
+    cov = torch.einsum("s...i,s...j->...ij", centred, centred) / draws.shape[0]
+    torch.testing.assert_close(cov, ref.covariance_matrix, atol=0.05, rtol=0.05)

@@ -24,9 +24,10 @@ from pyro_hier.conjugate import (
     element_expansion,
     gaussian_prior,
     line_searched_mean,
+    psd_root,
     rebase,
 )
-from pyro_hier.distributions import StickingTheLanding
+from pyro_hier.distributions import CholeskyPrecisionNormal, ConjugateScorer, StickingTheLanding
 from pyro_hier.gather_maps import CallGathers, GatherMaps, full_call_gathers, full_data_call
 from pyro_hier.gathers import keep_random_state
 from pyro_hier.guides.base import HierarchicalGuide, concat_broadcast
@@ -43,6 +44,14 @@ _CONDITIONALS = ("conjugate", "linear")
 #: a conjugate level's reference (prior and expansion at the variational mean) is redone after this many training calls
 #: of its elements (on average over a call's elements)
 REFERENCE_EVERY = 10
+#: a conjugate level's element whose reference moved by less than this (relative change of its curvature's root and of
+#: the prior conditional's precision, change of the prior's mean in its sds) when redone on a training call waits twice
+#: as many calls for the next one, up to :data:`REFERENCE_BACKOFF` times :data:`REFERENCE_EVERY`; one that moved more
+#: waits half as many, down to :data:`REFERENCE_EVERY` (levels whose pseudo-observation moves with the globals, whose
+#: slopes are reread with the references, always wait :data:`REFERENCE_EVERY`)
+REFERENCE_TOLERANCE = 0.05
+#: the longest wait between references, in units of :data:`REFERENCE_EVERY`
+REFERENCE_BACKOFF = 64
 #: of the references redone, one in this many also rereads the pseudo-observations' slopes on the globals (2 model
 #: expansions per global coordinate: the costliest part), and every first one
 SLOPES_EVERY = 5
@@ -102,8 +111,11 @@ class AutoBranchGuide(HierarchicalGuide):
     group starts at one (line-searched) Newton step to its conditional posterior mean, and its pseudo-observation at the
     likelihood's own curvature (Laplace-style); the reference of both is redone every ``REFERENCE_EVERY`` of the group's
     training calls with the parameters moved so that q does not change — so minibatches of groups train as full-data
-    steps do. Sticking the landing (default ``None``) is used for these levels, whose family can match the posterior,
-    and not for the globals. The globals' parameters are Polyak-averaged over the last quarter of the training calls
+    steps do — and up to ``REFERENCE_BACKOFF`` times less often while a redo moves it by less than
+    ``REFERENCE_TOLERANCE`` (where the pseudo-observation has no slopes on the globals; MovieLens's 20-dimensional
+    users: a reference is 21 passes through the model). Sticking the landing (default ``None``) is used for these
+    levels, whose family can match the posterior, and not for the globals. The globals' parameters are
+    Polyak-averaged over the last quarter of the training calls
     (from their gradient hooks: any loop, eager or JIT); calls without gradients (``Predictive``, ``median``,
     ``quantiles``) use the average. The references, the call count and the averages are parameters without gradients, so
     the param store, ``state_dict`` and pickling carry them. ``median``/``quantiles`` of conjugate levels (and levels
@@ -271,6 +283,7 @@ class AutoBranchGuide(HierarchicalGuide):
         self._hooked: dict[str, weakref.ref] = {}
         self._refreshes: dict[str, int] = {}  # references redone per conjugate level (in this process)
         self._quadratic: dict[str, bool] = {}  # conjugate level -> the rest of the model is quadratic in it
+        self._slopes_read: dict[str, bool] = {}  # conjugate level -> its slopes are read from the model
         self._globals_stick = False  # (this call: sticking the landing on the globals, see forward)
         self._per_element_globals: dict[str, bool] = {}  # level -> the model takes the globals per element (checked)
         for level in self.levels:
@@ -355,6 +368,7 @@ class AutoBranchGuide(HierarchicalGuide):
             "precision": init.new_ones((*level.batch_shape, d)),
             "fisher_sd": init.new_ones((*level.batch_shape, d)),
             "visits": init.new_full(tuple(level.batch_shape), -1.0),  # training visits since it was made; -1: none yet
+            "backoff": init.new_ones(tuple(level.batch_shape)),  # the next one after this many times REFERENCE_EVERY
         }
         if self._in_units(level):
             state["anchor"], state["unit"] = init.clone(), torch.ones_like(init)
@@ -404,11 +418,14 @@ class AutoBranchGuide(HierarchicalGuide):
         observed: Iterable[str] = (),
         collapse: Callable | None = None,
     ) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-        """``expand(at, u=None)``: :func:`~pyro_hier.conjugate.element_expansion` of the rest of the model at
-        ``level``'s element vectors ``u`` (by default ``centres[level.name]``, read when called), the other latent sites
-        at ``at``, on the call ``args``, ``kwargs`` with the plates' ``subsamples`` (and its ``collapse``)."""
+        """``expand(at, u=None, curvature=True)``: :func:`~pyro_hier.conjugate.element_expansion` of the rest of the
+        model at ``level``'s element vectors ``u`` (by default ``centres[level.name]``, read when called), the other
+        latent sites at ``at``, on the call ``args``, ``kwargs`` with the plates' ``subsamples`` (and its
+        ``collapse``); ``curvature=False``: the gradient alone."""
 
-        def expand(at: dict, u: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        def expand(
+            at: dict, u: torch.Tensor | None = None, curvature: bool = True
+        ) -> tuple[torch.Tensor, torch.Tensor]:
             return element_expansion(
                 self.model,
                 args,
@@ -420,6 +437,7 @@ class AutoBranchGuide(HierarchicalGuide):
                 subsamples,
                 observed=observed,
                 collapse=collapse,
+                curvature=curvature,
             )
 
         return expand
@@ -436,12 +454,19 @@ class AutoBranchGuide(HierarchicalGuide):
         an exponential family's expansion is dominated by its convex side while q of the globals is still wide, and
         took the groups' scale with it (cbpp's herd scale 1.0 sd low with sd ratio 0.42; epil's subject scale 8 sds
         high), where the derivative gave 0.12 and 0.34 sd at most over every latent. Decided once per level."""
-        if not self._has_slopes(level) or not self._globals_read_elsewhere(level):
+        if not self._reads_slopes(level):
             return None
         if level.name not in self._quadratic:
             tolerance = 1e-6 * float(curvature.abs().max()) + 1e-12
             self._quadratic[level.name] = bool(torch.allclose(moved(), curvature, rtol=1e-4, atol=tolerance))
         return SLOPE_NODES if self._quadratic[level.name] else DERIVATIVE_STEP
+
+    def _reads_slopes(self, level: PlateLevel) -> bool:
+        """Whether a conjugate level's slopes are read from the model (:meth:`_slope_nodes` is not ``None``): where they
+        are not, they stay zero. Decided once per level."""
+        if level.name not in self._slopes_read:
+            self._slopes_read[level.name] = self._has_slopes(level) and self._globals_read_elsewhere(level)
+        return self._slopes_read[level.name]
 
     def _globals_read_elsewhere(self, level: PlateLevel) -> bool:
         """Whether a site of the model other than ``level``'s and the globals' own reads the globals (by the model's
@@ -492,7 +517,8 @@ class AutoBranchGuide(HierarchicalGuide):
             if training:
                 visits = torch.where(visits >= 0, visits + 1, visits)
                 self._write_elements(self.references, f"{name}__visits", level, plates, visits, 0)
-            if bool((visits < 0).any()) or (training and float(visits.mean()) >= REFERENCE_EVERY):
+            backoff = self._reference(level, "backoff", plates, 0)
+            if bool((visits < 0).any()) or (training and float((visits / backoff).mean()) >= REFERENCE_EVERY):
                 stale.append(level)
         if not stale:
             return
@@ -521,9 +547,7 @@ class AutoBranchGuide(HierarchicalGuide):
             nodes = self._slope_nodes(
                 level, curvature, lambda at=values, u=centres[level.name], f=expand: f(at, u + 1.0)[1]
             )
-            root = (
-                _psd_root(curvature, floor) if not diagonal else curvature.diagonal(dim1=-2, dim2=-1).clamp(min=floor)
-            )
+            root = psd_root(curvature, floor) if not diagonal else curvature.diagonal(dim1=-2, dim2=-1).clamp(min=floor)
             root = root if not diagonal else root.sqrt()
             old = tuple(self._reference(level, key, plates, 1 if diagonal else 2) for key in ("precision", "fisher_sd"))
             old = (self._reference(level, "loc", plates, 1), *old)
@@ -538,7 +562,7 @@ class AutoBranchGuide(HierarchicalGuide):
                 prior,
                 centres[level.name],
                 gradient,
-                lambda u, at=values, f=expand: f(at, u)[0],
+                lambda u, at=values, f=expand: f(at, u, curvature=False)[0],
             )
             if not bool(had.all()):  # the next levels' expansions see this one's new start (crossed effects)
                 centres[level.name] = self._level_mean(level, plates).detach()
@@ -551,6 +575,13 @@ class AutoBranchGuide(HierarchicalGuide):
                 )
                 self._write_elements(self.references, f"{level.name}__slope", level, plates, slope, 2)
                 self._write_elements(self.references, f"{level.name}__stretch_slope", level, plates, stretch_slope, 2)
+            if training:  # back off where the reference hardly moved (q is the same either way: only its coordinates)
+                backoff = self._reference(level, "backoff", plates, 0)
+                if nodes is None:
+                    still = _reference_change(old, new, diagonal) < REFERENCE_TOLERANCE
+                    backoff = torch.where(still, (2 * backoff).clamp(max=REFERENCE_BACKOFF), (backoff / 2).clamp(min=1))
+                backoff = torch.where(had, backoff, torch.ones_like(backoff))
+                self._write_elements(self.references, f"{level.name}__backoff", level, plates, backoff, 0)
             for key, value in zip(("loc", "precision", "fisher_sd"), new, strict=True):
                 event_dim = 1 if diagonal or key == "loc" else 2
                 self._write_elements(self.references, f"{level.name}__{key}", level, plates, value, event_dim)
@@ -729,7 +760,7 @@ class AutoBranchGuide(HierarchicalGuide):
         else:
             factor = scale_tril_from_raw(self._element_param(self.scale_trils, level, plates, 2))
         slopes = deltas = None
-        if self._has_slopes(level):
+        if self._reads_slopes(level):  # (else they stay zero: the shift and stretch are 0 and 1, and are left out)
             slopes = (self._reference(level, "slope", plates, 2), self._reference(level, "stretch_slope", plates, 2))
             deltas = self._global_deviation(values[self._global_level.name])
 
@@ -737,14 +768,16 @@ class AutoBranchGuide(HierarchicalGuide):
             moves = [None, None]
             if slopes is not None:
                 moves = [(slope @ delta.unsqueeze(-1)).squeeze(-1) for slope in slopes]
-            loc, scale = conjugate_conditional(prior, *refs, mean, factor, *moves)
+            loc, scale = conjugate_conditional(prior, *refs, mean, factor, *moves, precision_tril=not diagonal)
             if diagonal:
                 return dist.Normal(loc, scale).to_event(1)
-            return dist.MultivariateNormal(loc, scale_tril=scale)
+            return CholeskyPrecisionNormal(loc, scale)  # (scale: the precision's factor)
 
         q = build(mean, factor)
         if self.stick_the_landing is False or not torch.is_grad_enabled():  # (the scorer only changes gradients)
             return q
+        if not diagonal and prior.diagonal and slopes is None:  # the same scorer from q's own factor, in closed form
+            return StickingTheLanding(q, ConjugateScorer(q.loc, q.precision_tril, prior.loc, prior.precision))
         return StickingTheLanding(q, build(mean.detach(), factor.detach(), None if deltas is None else deltas[1]))
 
     def _global_deviation(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1048,7 +1081,7 @@ class AutoBranchGuide(HierarchicalGuide):
         while isinstance(fn, dist.Independent):
             fn = fn.base_dist
         mean = fn.mean.detach()
-        if isinstance(fn, torch.distributions.MultivariateNormal):
+        if isinstance(fn, torch.distributions.MultivariateNormal | CholeskyPrecisionNormal):
             cov = fn.covariance_matrix.detach()
         else:
             cov = fn.variance.detach()
@@ -1516,7 +1549,7 @@ def _accumulate_moments(acc: list, level: PlateLevel, tr, guide: AutoBranchGuide
         fn = fn.base_dist
     shape = site["value"].shape
     mean = fn.mean.expand(shape)
-    if isinstance(fn, torch.distributions.MultivariateNormal):
+    if isinstance(fn, torch.distributions.MultivariateNormal | CholeskyPrecisionNormal):
         cov = fn.covariance_matrix.expand((*shape, shape[-1]))
     else:
         cov = torch.diag_embed(fn.variance.expand(shape))
@@ -1537,14 +1570,22 @@ def _accumulate_moments(acc: list, level: PlateLevel, tr, guide: AutoBranchGuide
     acc[3] = old_cov + cov.sum(0)
 
 
-def _psd_root(matrix: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
-    """A lower-triangular root of a symmetric matrix made positive definite: its eigenvalues clamped below at the
-    smallest of ``floor (..., d)`` (a curvature is not positive definite where the likelihood is not log-concave, or
-    where an element has no data)."""
-    sym = 0.5 * (matrix + matrix.mT)
-    values, vectors = torch.linalg.eigh(sym)
-    values = values.clamp(min=floor.min(-1, keepdim=True).values)
-    return torch.linalg.cholesky((vectors * values.unsqueeze(-2)) @ vectors.mT)
+def _reference_change(old: tuple, new: tuple, diagonal: bool) -> torch.Tensor:
+    """How far a conjugate level's reference ``(prior loc, prior precision, curvature root)`` moved, per element: the
+    largest of the prior mean's change in the prior's sds and the relative changes of the precision and the root
+    (each against its largest entry)."""
+    loc0, prec0, root0 = old
+    loc1, prec1, root1 = new
+    event = 1 if diagonal else 2
+    diag = prec1 if diagonal else prec1.diagonal(dim1=-2, dim2=-1)
+    shift = ((loc1 - loc0).abs() * diag.clamp(min=0).sqrt()).amax(-1)
+
+    def relative(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        dims = tuple(range(-event, 0))
+        return (b - a).abs().amax(dims) / a.abs().amax(dims).clamp(min=torch.finfo(a.dtype).tiny)
+
+    shape = torch.broadcast_shapes(shift.shape, relative(prec0, prec1).shape, relative(root0, root1).shape)
+    return torch.stack([t.expand(shape) for t in (shift, relative(prec0, prec1), relative(root0, root1))]).amax(0)
 
 
 def _as_list(plates) -> list:

@@ -8,6 +8,7 @@ from pyro import poutine
 from pyro.infer import SVI, Trace_ELBO
 from torch import nn
 
+import pyro_hier.guides.amortized as amortized_module
 from pyro_hier import AutoAmortizedBranchGuide, GroupedData, StructureError
 from pyro_hier.diagnostics import count_parameters, elbo_estimate
 from pyro_hier.problems import synthetic_regression, three_level
@@ -492,3 +493,35 @@ def test_the_models_inspection_is_reused_only_for_the_same_unmodified_arguments(
         p.args[1].add_(3.0)  # the responses moved in place: a new model run, a new expansion
         after = guide.median(*p.args)["z"]
     assert (after - before).abs().max() > 0.5  # (a stale inspection gives the same median to the last digit)
+
+
+@pytest.mark.parametrize("newton_steps", [0, amortized_module.EXPANSION_NEWTON_STEPS])
+def test_a_bernoulli_likelihood_is_expanded_at_the_groups_conditional_mode(newton_steps, monkeypatch):
+    """Users' Bernoulli ratings (the MovieLens model): the expansion point is the mode of each user's conditional
+    posterior at the globals' mean, so q's conditional mean there is that mode (the gradient of log p(z_i | θ̄) +
+    log p(y_i | z_i) vanishes); from the prior's mean alone (no Newton step) it is one step short."""
+    from pyro_hier.problems.movielens import movielens_model
+
+    monkeypatch.setattr(amortized_module, "EXPANSION_NEWTON_STEPS", newton_steps)
+    g = torch.Generator().manual_seed(0)
+    sizes = [40, 80, 5, 120]
+    user = torch.cat([torch.full((n,), i) for i, n in enumerate(sizes)])
+    x = torch.cat([torch.ones(user.shape[0], 1), (torch.rand(user.shape[0], 2, generator=g) < 0.4).double()], -1)
+    y = torch.bernoulli(
+        torch.sigmoid((x * (2 * torch.randn(len(sizes), 3, generator=g, dtype=torch.float64))[user]).sum(-1)),
+        generator=g,
+    )
+    args = (user, x, len(sizes))
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoAmortizedBranchGuide(movielens_model)
+    guide(*args, rating=y)
+    q = guide.local_posterior(*args, rating=y)["users"]
+    glob = guide.median(*args, rating=y)
+    theta = torch.cat([glob["mu"], torch.log(glob["sigma"])])
+    z = (q["loc"] + (q["weight"] @ theta)).detach().requires_grad_(True)
+    log_p = dist.Normal(glob["mu"], glob["sigma"]).log_prob(z).sum()
+    log_p = log_p + dist.Bernoulli(logits=(x * z[user]).sum(-1)).log_prob(y).sum()
+    (grad,) = torch.autograd.grad(log_p, z)
+    stationary = float(grad.abs().max()) < 1e-3
+    assert stationary == (newton_steps > 0), grad

@@ -490,3 +490,28 @@ def test_group_means_are_in_units_by_default_where_the_model_subsamples_them():
     guide = AutoBranchGuide(logistic)
     guide(x, (y > 0).to(y.dtype), subsample=torch.arange(5))
     assert guide.conjugate_levels == ("groups",) and not guide._units_levels
+
+
+def test_references_that_do_not_move_are_redone_less_often():
+    """Users' Bernoulli ratings (the MovieLens model: no slopes on the globals): with the parameters held (rate 0)
+    the references stop moving once each user's mean has its Newton start, and the waits between redos grow (each
+    element's wait doubles after a redo that moved its reference by less than ``REFERENCE_TOLERANCE``)."""
+    from pyro_hier.problems.movielens import movielens_model
+
+    g = torch.Generator().manual_seed(0)
+    user = torch.arange(6).repeat_interleave(15)
+    x = torch.cat([torch.ones(90, 1), (torch.rand(90, 2, generator=g) < 0.4).double()], -1)
+    y = torch.bernoulli(torch.full((90,), 0.6, dtype=torch.float64), generator=g)
+    args, kwargs = (user, x, 6), {"rating": y}
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoBranchGuide(movielens_model)
+    svi = SVI(movielens_model, guide, pyro.optim.SGD({"lr": 0.0}), Trace_ELBO())
+    refreshes = []
+    for _ in range(56):
+        svi.step(*args, **kwargs)
+        refreshes.append(guide._refreshes["users"])
+    # made on the first call (from the initial values), then redone after 10 calls (it moved: the Newton start), and
+    # after longer and longer waits
+    assert [k for k in range(1, 56) if refreshes[k] > refreshes[k - 1]] == [10, 25, 55]
+    assert bool((guide.references.users__backoff.detach() >= 2).all())
