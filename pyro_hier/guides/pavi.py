@@ -15,11 +15,13 @@ from pyro import poutine
 from pyro.distributions.conditional import ConditionalTransformModule
 from pyro.infer.autoguide.initialization import init_to_feasible
 from pyro.nn import PyroModule, PyroParam
+from pyro.params.param_store import param_with_module_name
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.subsample_messenger import _Subsample
 from torch import nn
 from torch.distributions import biject_to, constraints
-from torch.distributions.transforms import AffineTransform, ReshapeTransform, Transform
+from torch.distributions.transforms import AffineTransform, ComposeTransform, ReshapeTransform, Transform
+from torch.distributions.utils import _sum_rightmost
 
 from pyro_hier.conjugate import (
     GaussianPrior,
@@ -360,6 +362,8 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         self.local_features = local_features
         self.stick_the_landing = stick_the_landing
         self._detached_flows: tuple[nn.Module] | None = None
+        self._transform_dims: dict[tuple, list] = {}  # (site, transform types) → their event dims (_PushForward)
+        self._network_params: list[tuple[str, nn.Module, str]] | None = None  # found on the first call
         self.num_summary_samples = num_summary_samples
         super().__init__(model, init_loc_fn=init_to_feasible if init_loc_fn is None else init_loc_fn)
 
@@ -372,6 +376,8 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         state["_detached_flows"] = None  # rebuilt on use
+        state["_transform_dims"] = {}
+        state["_network_params"] = None
         state["_hooked"] = None  # gradient hooks are not pickled: the first training call installs them again
         state["_average_pairs"] = ()
         state["_expansion"] = None  # redone from the references (state) on the next call
@@ -584,8 +590,19 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         when it already holds some under these names (e.g. after ``pyro.get_param_store().load(...)``), as
         ``PyroParam``\\ s do. (Pyro's conditional transforms are abstract base classes, which ``to_pyro_module_``
         cannot convert.)"""
-        for name in ("flows", "encoder", "site_affines"):  # self._modules: PyroModule's getattr would register again
-            pyro.module(self._pyro_get_fullname(name), self._modules[name], update_module_params=True)
+        if self._network_params is None:  # (full name, the module holding it, its name there), as pyro.module names them
+            self._network_params = [
+                (param_with_module_name(self._pyro_get_fullname(name), f"{prefix}.{key}" if prefix else key), owner, key)
+                for name in ("flows", "encoder", "site_affines")  # self._modules: PyroModule's getattr would register
+                for prefix, owner in self._modules[name].named_modules()
+                for key, param in owner._parameters.items()
+                if param is not None and param.requires_grad
+            ]
+        for full, owner, key in self._network_params:  # pyro.module(..., update_module_params=True), without its walk
+            param = owner._parameters[key]
+            stored = pyro.param(full, param)
+            if stored is not param:
+                owner._parameters[key] = stored
         if self.stick_the_landing:
             live = nn.ModuleDict({"flows": self._modules["flows"], "affines": self._modules["site_affines"]})
             if self._detached_flows is None:
@@ -616,13 +633,36 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         return out
 
     # ---- the model's pseudo-observations ----------------------------------------------------------------------
+    def _sync_state(self) -> None:
+        """Read the reference tensors through Pyro once per call, which adopts the param store's (e.g. after
+        ``pyro.get_param_store().load``) and, in a training call, records them in the trace as the other parameters
+        are (``JitTrace_ELBO`` takes the parameters its first call records as the compiled step's inputs). A call
+        without gradients (``Predictive``'s) only checks that the store holds these tensors. :meth:`_state` and
+        :meth:`_write_state` then use the tensors directly."""
+        references = self._modules.get("references")
+        if references is None or not references._pyro_params:
+            return
+        if torch.is_grad_enabled():
+            for key in references._pyro_params:
+                getattr(references, key)
+            return
+        store = pyro.get_param_store()
+        for key in references._pyro_params:
+            name = references._pyro_get_fullname(key)
+            if name not in store or store[name].unconstrained() is not references._parameters[f"{key}_unconstrained"]:
+                getattr(references, key)
+
     def _state(self, key: str) -> torch.Tensor:
-        """A reference tensor (state) as it is now, without gradient."""
-        return getattr(self.references, key).detach()
+        """A reference tensor (state) as it is now, without gradient (as adopted by :meth:`_sync_state`; read through
+        Pyro while ``torch.jit`` traces a step, so that the compiled graph takes it as an input, not a constant)."""
+        if torch.jit.is_tracing():
+            return getattr(self.references, key).detach()
+        return self._modules["references"]._parameters[f"{key}_unconstrained"].detach()
 
     def _write_state(self, key: str, value: torch.Tensor) -> None:
-        getattr(self.references, key)  # (adopts the param store's tensor, e.g. after a load)
-        raw = self.references.get_parameter(f"{key}_unconstrained")
+        if torch.jit.is_tracing():
+            getattr(self.references, key)
+        raw = self._modules["references"]._parameters[f"{key}_unconstrained"]
         raw.data.copy_(value.to(raw.dtype))
 
     def _global_values(self, u: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -946,6 +986,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
     def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         """Sample every latent site; returns ``{site: constrained value}``."""
         self._require_setup(*args, **kwargs)
+        self._sync_state()
         # in an AutoGuideList the list has opened (and recorded) the plates: use their indices, record them once
         listed = {} if self.master is None else dict(getattr(self.master(), "plates", None) or {})
         forced = {name: plate.indices for name, plate in listed.items()}
@@ -1062,6 +1103,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         base = msg["fn"]
         if site.is_global and site.batch_shape:  # a global's own batch dims are part of what the flow models
             base = base.to_event(len(site.batch_shape))
+        event_shape = base.event_shape  # the value's (the batch is the plates' and the contexts')
         to_support = biject_to(base.support).with_cache(1)
         event_u = to_support.inv.forward_shape(base.event_shape)
         n = site.element_numel
@@ -1089,7 +1131,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         if name in self._conjugate_sites:  # q0 = the prior conditional times the model's pseudo-observation
             loc0, scale0 = self._conditional_q0(name, base, cascade)
             batch = torch.broadcast_shapes(batch, loc0.shape[:-1])
-            base = dist.Normal(context.new_zeros(batch + flat), 1.0).to_event(1)
+            base = dist.Normal(context.new_zeros(batch + flat), 1.0, validate_args=False).to_event(1)
             head = []
             if scale0.dim() == loc0.dim():
                 standardise = [AffineTransform(loc0, scale0, event_dim=1)]
@@ -1100,21 +1142,23 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                 base = base.expand(batch)
             head = [to_support.inv] + ([ReshapeTransform(event_u, flat)] if reshape else [])
         else:  # a standard normal in unconstrained space (as AutoNormal's base): no rsample, or a global (conjugate)
-            base = dist.Normal(context.new_zeros(batch + flat), 1.0).to_event(1)
+            base = dist.Normal(context.new_zeros(batch + flat), 1.0, validate_args=False).to_event(1)
             head = []
-        tap = _Tap()
+        tail = ([ReshapeTransform(flat, event_u)] if reshape else []) + [to_support]
 
-        def push_forward(flow: nn.Module, affine: FreeAffine, context: torch.Tensor) -> dist.TorchDistribution:
-            transforms = [*head, tap, flow.condition(context), affine.transform(), *standardise]
-            transforms += [ReshapeTransform(flat, event_u)] if reshape else []
-            transforms.append(to_support)
-            return dist.TransformedDistribution(base, transforms)
+        def push_forward(flow: nn.Module, affine: FreeAffine, context: torch.Tensor) -> _PushForward:
+            transforms = [*head, flow.condition(context), affine.transform(), *standardise, *tail]
+            kinds = (name, *(type(t) for t in transforms))
+            dims = self._transform_dims.get(kinds)
+            if dims is None:
+                dims = self._transform_dims[kinds] = [_transform_dims(t) for t in transforms]
+            return _PushForward(base, transforms, batch, event_shape, dims)
 
         key = self._keys[name]
         if context.shape[:-1] != batch:
             context = context.expand(batch + context.shape[-1:])
         q = push_forward(self._modules["flows"][key], self._modules["site_affines"][key], context)
-        maps = _SiteMaps(q.transforms, tap, n, to_support, event_u)
+        maps = _SiteMaps(q, len(head), n, to_support, event_u)
         if self.stick_the_landing:
             assert self._detached_flows is not None
             for i in range(len(encodings)):  # encodings are variational parameters; the ancestors' values are not
@@ -1181,26 +1225,70 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         return cascade.encodings[level]
 
 
-class _Tap(Transform):
-    """The identity on flat vectors that remembers what went through it: the flow's input, i.e. the base sample."""
+class _PushForward(dist.TransformedDistribution):
+    """``base`` pushed through ``transforms``, as Pyro's ``TransformedDistribution``, but built without its shape
+    inference (the guide knows the shapes) and scoring its own draw from the draw's intermediate values: the
+    log-density of a value drawn here needs no inverse (no extra operations, nor their backward pass), and transforms
+    that preserve volume (reshapes, the identity) are skipped. A value given from outside is inverted as usual.
 
-    domain = constraints.real_vector
-    codomain = constraints.real_vector
-    bijective = True
+    ``dims``: each transform's ``(domain, codomain)`` event dims and whether it changes volume
+    (:func:`_transform_dims`)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: torch.Tensor | None = None
+    def __init__(
+        self,
+        base: dist.TorchDistribution,
+        transforms: list[Transform],
+        batch_shape: torch.Size,
+        event_shape: torch.Size,
+        dims: list[tuple[int, int, bool]],
+    ) -> None:
+        self.base_dist, self.transforms, self._dims = base, transforms, dims
+        self.draw: list[torch.Tensor] | None = None  # the base sample and its image by each transform, last draw
+        torch.distributions.Distribution.__init__(self, batch_shape, event_shape, validate_args=False)
 
-    def _call(self, x: torch.Tensor) -> torch.Tensor:
-        self.seen = x
+    def expand(self, batch_shape, _instance=None) -> dist.TransformedDistribution:
+        batch_shape = torch.Size(batch_shape)
+        shape = batch_shape + self.event_shape
+        for t in reversed(self.transforms):
+            shape = t.inverse_shape(shape)
+        base = self.base_dist.expand(shape[: len(shape) - len(self.base_dist.event_shape)])
+        return _PushForward(base, self.transforms, batch_shape, self.event_shape, self._dims)
+
+    def rsample(self, sample_shape: torch.Size = torch.Size()) -> torch.Tensor:
+        x = self.base_dist.rsample(sample_shape)
+        draw = [x]
+        for t in self.transforms:
+            x = t(x)
+            draw.append(x)
+        self.draw = draw
         return x
 
-    def _inverse(self, y: torch.Tensor) -> torch.Tensor:
-        return y
+    def sample(self, sample_shape: torch.Size = torch.Size()) -> torch.Tensor:
+        with torch.no_grad():
+            return self.rsample(sample_shape)
 
-    def log_abs_det_jacobian(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return x.new_zeros(x.shape[:-1])
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        draw = self.draw
+        if draw is None or value is not draw[-1]:
+            return super().log_prob(value)
+        event_dim = len(self.event_shape)
+        log_prob = None
+        for i in range(len(self.transforms) - 1, -1, -1):
+            domain, codomain, volume = self._dims[i]
+            event_dim += domain - codomain
+            if not volume:
+                continue
+            term = _sum_rightmost(self.transforms[i].log_abs_det_jacobian(draw[i], draw[i + 1]), event_dim - domain)
+            log_prob = -term if log_prob is None else log_prob - term
+        base = _sum_rightmost(self.base_dist.log_prob(draw[0]), event_dim - len(self.base_dist.event_shape))
+        return base if log_prob is None else log_prob + base
+
+
+def _transform_dims(t: Transform) -> tuple[int, int, bool]:
+    """``(domain, codomain)`` event dims of a transform, and whether it changes volume (not a reshape, nor the
+    identity: their log-determinant is 0)."""
+    volume = not (isinstance(t, ReshapeTransform) or (isinstance(t, ComposeTransform) and not t.parts))
+    return t.domain.event_dim, t.codomain.event_dim, volume
 
 
 class _CholeskyAffine(Transform):
@@ -1232,26 +1320,31 @@ class _CholeskyAffine(Transform):
 
 class _SiteMaps:
     """Maps a site's sampled value back to the flow's base space: the prior sample it was pushed from, in
-    unconstrained space and flattened, which is what its descendants see in their contexts."""
+    unconstrained space and flattened (the input of the flow's transform at ``tap`` in the chain), which is what its
+    descendants see in their contexts."""
 
-    def __init__(self, transforms: list, tap: _Tap, numel: int, to_support: Transform, event_u: torch.Size) -> None:
-        self.transforms, self.tap, self.numel = transforms, tap, numel
+    def __init__(self, q: _PushForward, tap: int, numel: int, to_support: Transform, event_u: torch.Size) -> None:
+        self.q, self.tap, self.numel = q, tap, numel
         self.to_support, self.event_u = to_support, event_u
+
+    def _drawn(self, value: torch.Tensor) -> list[torch.Tensor] | None:
+        draw = self.q.draw
+        return draw if draw is not None and draw[-1] is value else None
 
     def unconstrained(self, value: torch.Tensor) -> torch.Tensor:
         """The value in unconstrained space, flattened ``(…, n)`` (the draw's own tensor when it was drawn here)."""
-        z = self.to_support.inv(value)
+        draw = self._drawn(value)
+        z = self.to_support.inv(value) if draw is None else draw[-2]
         return z.reshape((*z.shape[: z.dim() - len(self.event_u)], self.numel))
 
     def base_value(self, value: torch.Tensor) -> torch.Tensor:
-        if self.tap.seen is not None:  # drawn by this site's rsample (a fresh tap per call): the exact base sample
-            return self.tap.seen
+        draw = self._drawn(value)
+        if draw is not None:  # drawn by this site's rsample: the exact base sample
+            return draw[self.tap]
         x = value  # given from outside (e.g. replayed): invert the chain
-        for t in reversed(self.transforms):
-            if t is self.tap:
-                return x
+        for t in reversed(self.q.transforms[self.tap :]):
             x = t.inv(x)
-        raise AssertionError("the tap is part of the chain")
+        return x
 
 
 class _Cascade(PlateRecorder):
