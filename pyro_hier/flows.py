@@ -46,16 +46,14 @@ class LogScaleAffine(AffineTransform):
         t.log_abs_det_jacobian(torch.ones(2), t(torch.ones(2)))  # log 6
     """
 
-    def __init__(
-        self, loc: torch.Tensor, log_scale: torch.Tensor, event_dim: int = 0, cache_size: int = 0
-    ) -> None:
+    def __init__(self, loc: torch.Tensor, log_scale: torch.Tensor, event_dim: int = 0, cache_size: int = 0) -> None:
         super().__init__(loc, torch.exp(log_scale), event_dim=event_dim, cache_size=cache_size)
         self.log_scale = log_scale
 
     def log_abs_det_jacobian(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         result, shape = self.log_scale, x.shape
         if self._event_dim:
-            result = result.reshape(result.shape[: result.dim() - self._event_dim] + (-1,)).sum(-1)
+            result = result.reshape((*result.shape[: result.dim() - self._event_dim], -1)).sum(-1)
             shape = shape[: len(shape) - self._event_dim]
         return result.expand(shape)
 

@@ -590,9 +590,9 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         when it already holds some under these names (e.g. after ``pyro.get_param_store().load(...)``), as
         ``PyroParam``\\ s do. (Pyro's conditional transforms are abstract base classes, which ``to_pyro_module_``
         cannot convert.)"""
-        if self._network_params is None:  # (full name, the module holding it, its name there), as pyro.module names them
+        if self._network_params is None:  # (full name, the module holding it, its name there), as pyro.module's
             self._network_params = [
-                (param_with_module_name(self._pyro_get_fullname(name), f"{prefix}.{key}" if prefix else key), owner, key)
+                (param_with_module_name(self._pyro_get_fullname(name), f"{prefix}.{key}".lstrip(".")), owner, key)
                 for name in ("flows", "encoder", "site_affines")  # self._modules: PyroModule's getattr would register
                 for prefix, owner in self._modules[name].named_modules()
                 for key, param in owner._parameters.items()
@@ -1254,8 +1254,8 @@ class _PushForward(dist.TransformedDistribution):
         base = self.base_dist.expand(shape[: len(shape) - len(self.base_dist.event_shape)])
         return _PushForward(base, self.transforms, batch_shape, self.event_shape, self._dims)
 
-    def rsample(self, sample_shape: torch.Size = torch.Size()) -> torch.Tensor:
-        x = self.base_dist.rsample(sample_shape)
+    def rsample(self, sample_shape: Sequence[int] = ()) -> torch.Tensor:
+        x = self.base_dist.rsample(torch.Size(sample_shape))
         draw = [x]
         for t in self.transforms:
             x = t(x)
@@ -1263,7 +1263,7 @@ class _PushForward(dist.TransformedDistribution):
         self.draw = draw
         return x
 
-    def sample(self, sample_shape: torch.Size = torch.Size()) -> torch.Tensor:
+    def sample(self, sample_shape: Sequence[int] = ()) -> torch.Tensor:
         with torch.no_grad():
             return self.rsample(sample_shape)
 
