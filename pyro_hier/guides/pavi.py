@@ -7,6 +7,7 @@ import math
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import ClassVar
 
 import pyro
 import pyro.distributions as dist
@@ -21,7 +22,7 @@ from pyro.poutine.subsample_messenger import _Subsample
 from torch import nn
 from torch.distributions import biject_to, constraints
 from torch.distributions.transforms import AffineTransform, ComposeTransform, ReshapeTransform, Transform
-from torch.distributions.utils import _sum_rightmost
+from torch.distributions.utils import _standard_normal, _sum_rightmost
 
 from pyro_hier.conjugate import (
     GaussianPrior,
@@ -364,6 +365,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         self._detached_flows: tuple[nn.Module] | None = None
         self._transform_dims: dict[tuple, list] = {}  # (site, transform types) → their event dims (_PushForward)
         self._network_params: list[tuple[str, nn.Module, str]] | None = None  # found on the first call
+        self._event_shapes: dict[tuple, torch.Size] = {}  # (site, support type, event shape) → unconstrained event
         self.num_summary_samples = num_summary_samples
         super().__init__(model, init_loc_fn=init_to_feasible if init_loc_fn is None else init_loc_fn)
 
@@ -378,6 +380,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         state["_detached_flows"] = None  # rebuilt on use
         state["_transform_dims"] = {}
         state["_network_params"] = None
+        state["_event_shapes"] = {}
         state["_hooked"] = None  # gradient hooks are not pickled: the first training call installs them again
         state["_average_pairs"] = ()
         state["_expansion"] = None  # redone from the references (state) on the next call
@@ -598,8 +601,13 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                 for key, param in owner._parameters.items()
                 if param is not None and param.requires_grad
             ]
-        for full, owner, key in self._network_params:  # pyro.module(..., update_module_params=True), without its walk
+        # pyro.module(..., update_module_params=True) without its walk; a call without gradients (Predictive's) only
+        # checks that the store holds these tensors (its trace then records no parameter: nothing optimises them)
+        check = None if torch.is_grad_enabled() else pyro.get_param_store()
+        for full, owner, key in self._network_params:
             param = owner._parameters[key]
+            if check is not None and full in check and check[full].unconstrained() is param:
+                continue
             stored = pyro.param(full, param)
             if stored is not param:
                 owner._parameters[key] = stored
@@ -1104,8 +1112,12 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         if site.is_global and site.batch_shape:  # a global's own batch dims are part of what the flow models
             base = base.to_event(len(site.batch_shape))
         event_shape = base.event_shape  # the value's (the batch is the plates' and the contexts')
-        to_support = biject_to(base.support).with_cache(1)
-        event_u = to_support.inv.forward_shape(base.event_shape)
+        support = base.support
+        to_support = biject_to(support).with_cache(1)
+        shapes = (name, type(support), event_shape)
+        event_u = self._event_shapes.get(shapes)
+        if event_u is None:
+            event_u = self._event_shapes[shapes] = to_support.inv.forward_shape(event_shape)
         n = site.element_numel
         if event_u.numel() != n:
             raise StructureError(
@@ -1123,15 +1135,15 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         ]
         batch = base.batch_shape
         parts = [_fit_batch(p, len(batch)) for p in parts]
-        batch = torch.broadcast_shapes(batch, *(p.shape[:-1] for p in parts))
+        batch = _broadcast_shapes(batch, *(p.shape[:-1] for p in parts))
         context = torch.cat([p.expand(batch + p.shape[-1:]) for p in parts], dim=-1)
         flat = torch.Size((n,))
         reshape = event_u != flat
         standardise: list[Transform] = []
         if name in self._conjugate_sites:  # q0 = the prior conditional times the model's pseudo-observation
             loc0, scale0 = self._conditional_q0(name, base, cascade)
-            batch = torch.broadcast_shapes(batch, loc0.shape[:-1])
-            base = dist.Normal(context.new_zeros(batch + flat), 1.0, validate_args=False).to_event(1)
+            batch = _broadcast_shapes(batch, loc0.shape[:-1])
+            base = _StandardNormal(batch + flat, context)
             head = []
             if scale0.dim() == loc0.dim():
                 standardise = [AffineTransform(loc0, scale0, event_dim=1)]
@@ -1142,7 +1154,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                 base = base.expand(batch)
             head = [to_support.inv] + ([ReshapeTransform(event_u, flat)] if reshape else [])
         else:  # a standard normal in unconstrained space (as AutoNormal's base): no rsample, or a global (conjugate)
-            base = dist.Normal(context.new_zeros(batch + flat), 1.0, validate_args=False).to_event(1)
+            base = _StandardNormal(batch + flat, context)
             head = []
         tail = ([ReshapeTransform(flat, event_u)] if reshape else []) + [to_support]
 
@@ -1282,6 +1294,37 @@ class _PushForward(dist.TransformedDistribution):
             log_prob = -term if log_prob is None else log_prob - term
         base = _sum_rightmost(self.base_dist.log_prob(draw[0]), event_dim - len(self.base_dist.event_shape))
         return base if log_prob is None else log_prob + base
+
+
+class _StandardNormal(dist.TorchDistribution):
+    """The standard normal on vectors of ``shape`` (the last dim the event), dtype and device of ``like``: the base
+    of the guide's flows, without building a ``Normal`` and an ``Independent`` (and their checks) per site and call.
+    Its draws are ``Normal(0, 1)``'s from the same random numbers."""
+
+    arg_constraints: ClassVar[dict] = {}
+    support = constraints.real_vector
+    has_rsample = True
+
+    def __init__(self, shape: torch.Size, like: torch.Tensor) -> None:
+        self._like = like
+        super().__init__(shape[:-1], shape[-1:], validate_args=False)
+
+    def expand(self, batch_shape, _instance=None) -> _StandardNormal:
+        return _StandardNormal(torch.Size(batch_shape) + self.event_shape, self._like)
+
+    def rsample(self, sample_shape: Sequence[int] = ()) -> torch.Tensor:
+        shape = torch.Size(sample_shape) + self.batch_shape + self.event_shape
+        return _standard_normal(shape, dtype=self._like.dtype, device=self._like.device)
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        return -0.5 * value.pow(2).sum(-1) - 0.5 * self.event_shape[0] * math.log(2 * math.pi)
+
+
+def _broadcast_shapes(first: torch.Size, *others: torch.Size) -> torch.Size:
+    """``torch.broadcast_shapes``, at once when the shapes are equal (the usual case here)."""
+    if all(shape == first for shape in others):
+        return first
+    return torch.broadcast_shapes(first, *others)
 
 
 def _transform_dims(t: Transform) -> tuple[int, int, bool]:
