@@ -1024,8 +1024,10 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             if torch.is_grad_enabled():
                 self._attach_hook()
             cascade = _Cascade(self, observations, covariates, gathers, data, forced, expansions)
-            with poutine.block(hide_fn=hidden), cascade:
-                self.user_model(*args, **kwargs)  # the cascade runs the model itself, without the init strategy
+            # the cascade runs the model itself, without the init strategy (and without validating its distributions'
+            # arguments: the model's own run checks the same ones)
+            with poutine.block(hide_fn=hidden), cascade, pyro.validation_enabled(False):
+                self.user_model(*args, **kwargs)
         if torch.is_grad_enabled() and self._expanded_sites:
             self._update_global_moments(cascade)
         missing = [n for n in self.structure.latent if n not in cascade.result]
