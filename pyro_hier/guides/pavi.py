@@ -875,7 +875,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
 
             def expand(at: dict, u: torch.Tensor, name: str = name, scale: float = scale) -> tuple:
                 return element_expansion(
-                    self.model,
+                    self.user_model,  # (every latent site is given: the init strategy's values would go unused)
                     args,
                     kwargs,
                     at,
