@@ -73,6 +73,9 @@ EXPANSION_BACKOFF = 64
 #: inverse, its precision by more than this fraction, nor its slopes by more than 5 times this fraction of their size
 PREDICTION_TOLERANCE = 1e-2
 POWER_GRID = 129
+#: the parts of the reference state (``references.state``): the running mean and variance of the globals' draws, the
+#: mean and sd where the pseudo-observations were read, the training calls since then and the interval of the redos
+STATE_KEYS = ("global_mean", "global_var", "ref_mean", "ref_sd", "calls", "every")
 
 
 class AutoPlateAmortizedFlow(HierarchicalGuide):
@@ -503,16 +506,21 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             self.averages.count = PyroParam(like.new_zeros(()), constraints.real)
             _ = self.averages.count
         # where the model's pseudo-observations are read (state, not optimised): a running mean and variance of the
-        # globals' draws (unconstrained), the mean and sd of the last reference, training calls since it was made
+        # globals' draws (unconstrained), the mean and sd of the last reference, training calls since it was made and
+        # the interval of the redos, in one vector (one parameter for Pyro to carry: see _sync_state)
         self.references = PyroModule()
+        self._state_layout: dict[str, slice | int] = {}
         if self._expanded_sites:
             mean, sd = self._initial_global_moments(like.dtype)
-            state = {"global_mean": mean, "global_var": sd.pow(2), "ref_mean": mean, "ref_sd": sd}
-            state["calls"] = like.new_zeros(())
-            state["every"] = like.new_tensor(float(EXPANSION_EVERY))
-            for key, value in state.items():
-                setattr(self.references, key, PyroParam(value.detach().clone(), constraints.real))
-                getattr(self.references, key)  # (read once: a trace of this call records the parameter, not its init)
+            d = mean.shape[0]
+            self._state_layout = {
+                **{key: slice(i * d, (i + 1) * d) for i, key in enumerate(STATE_KEYS[:4])},
+                "calls": 4 * d,
+                "every": 4 * d + 1,
+            }
+            initial = torch.cat([mean, sd.pow(2), mean, sd, like.new_tensor([0.0, float(EXPANSION_EVERY)])])
+            self.references.state = PyroParam(initial.detach().clone(), constraints.real)
+            _ = self.references.state  # (read once: a trace of this call records the parameter, not its init)
 
     def _initial_global_moments(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The globals' element vector (unconstrained, sites in model order) at the start: the median and spread
@@ -642,36 +650,33 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
 
     # ---- the model's pseudo-observations ----------------------------------------------------------------------
     def _sync_state(self) -> None:
-        """Read the reference tensors through Pyro once per call, which adopts the param store's (e.g. after
-        ``pyro.get_param_store().load``) and, in a training call, records them in the trace as the other parameters
-        are (``JitTrace_ELBO`` takes the parameters its first call records as the compiled step's inputs). A call
-        without gradients (``Predictive``'s) only checks that the store holds these tensors. :meth:`_state` and
-        :meth:`_write_state` then use the tensors directly."""
-        references = self._modules.get("references")
-        if references is None or not references._pyro_params:
+        """Read the reference state through Pyro once per call, which adopts the param store's tensor (e.g. after
+        ``pyro.get_param_store().load``) and, in a training call, records it in the trace as the other parameters are
+        (``JitTrace_ELBO`` takes the parameters its first call records as the compiled step's inputs). A call without
+        gradients (``Predictive``'s) only checks that the store holds this tensor. :meth:`_state` and
+        :meth:`_write_state` then use it directly."""
+        if not self._state_layout:
             return
-        if torch.is_grad_enabled():
-            for key in references._pyro_params:
-                getattr(references, key)
-            return
-        store = pyro.get_param_store()
-        for key in references._pyro_params:
-            name = references._pyro_get_fullname(key)
-            if name not in store or store[name].unconstrained() is not references._parameters[f"{key}_unconstrained"]:
-                getattr(references, key)
+        references = self._modules["references"]
+        if not torch.is_grad_enabled():
+            store, name = pyro.get_param_store(), references._pyro_get_fullname("state")
+            if name in store and store[name].unconstrained() is references._parameters["state_unconstrained"]:
+                return
+        _ = references.state
 
     def _state(self, key: str) -> torch.Tensor:
-        """A reference tensor (state) as it is now, without gradient (as adopted by :meth:`_sync_state`; read through
-        Pyro while ``torch.jit`` traces a step, so that the compiled graph takes it as an input, not a constant)."""
+        """A part of the reference state (``STATE_KEYS``) as it is now, without gradient (a view: clone it to keep it
+        across a write), as adopted by :meth:`_sync_state` (read through Pyro while ``torch.jit`` traces a step, so
+        that the compiled graph takes it as an input, not a constant)."""
         if torch.jit.is_tracing():
-            return getattr(self.references, key).detach()
-        return self._modules["references"]._parameters[f"{key}_unconstrained"].detach()
+            return self.references.state.detach()[self._state_layout[key]]
+        return self._modules["references"]._parameters["state_unconstrained"].detach()[self._state_layout[key]]
 
     def _write_state(self, key: str, value: torch.Tensor) -> None:
         if torch.jit.is_tracing():
-            getattr(self.references, key)
-        raw = self._modules["references"]._parameters[f"{key}_unconstrained"]
-        raw.data.copy_(value.to(raw.dtype))
+            _ = self.references.state
+        raw = self._modules["references"]._parameters["state_unconstrained"]
+        raw.data[self._state_layout[key]] = value.to(raw.dtype)
 
     def _global_values(self, u: torch.Tensor) -> dict[str, torch.Tensor]:
         """The globals' constrained values at their element vector ``u`` (unconstrained)."""
