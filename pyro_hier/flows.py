@@ -18,9 +18,9 @@ from pyro.nn import ConditionalAutoRegressiveNN
 from torch.distributions.transforms import AffineTransform
 
 from pyro_hier.nn import MLP, RateLinear, readout_multiplier
-from pyro_hier.transforms import positive, positive_inv
+from pyro_hier.transforms import log_positive, positive_inv
 
-__all__ = ["FLOWS", "NETWORK_RATE", "ConditionalAffine", "FreeAffine", "make_flow"]
+__all__ = ["FLOWS", "NETWORK_RATE", "ConditionalAffine", "FreeAffine", "LogScaleAffine", "make_flow"]
 
 #: rate multiplier of :class:`ConditionalAffine`'s networks (:class:`~pyro_hier.nn.RateLinear`): Adam moves their
 #: weights a tenth as fast as the free parameters. Measured on radon (Uniform priors) in the drop-in loop at Adam's
@@ -29,6 +29,33 @@ __all__ = ["FLOWS", "NETWORK_RATE", "ConditionalAffine", "FreeAffine", "make_flo
 #: 1.09 reference sds (AutoNormal 0.76); with 0.1, 0.33 and 0.19 (AutoNormal 0.76, 0.59). (First measured with an
 #: earlier form of q₀: the noise scale's q swung ±5–20 posterior sds between checkpoints with 1; 0.27 with 0.1.)
 NETWORK_RATE = 0.1
+
+
+class LogScaleAffine(AffineTransform):
+    r"""``x ↦ loc + e^{ℓ} ⊙ x`` given the log-scale ``ℓ`` (an :class:`~torch.distributions.transforms.AffineTransform`
+    with ``scale = e^ℓ``): its log-determinant is ``ℓ`` summed over the event, read directly instead of
+    ``log|e^ℓ|`` (two operations fewer in the forward and backward passes of every flow step).
+
+    ``log_scale`` is used as given: pass it through :func:`~pyro_hier.transforms.log_positive` first (the positive
+    map's clamp), as :class:`ConditionalAffine` and :class:`FreeAffine` do.
+
+    Example::
+
+        t = LogScaleAffine(torch.zeros(2), torch.log(torch.tensor([2.0, 3.0])), event_dim=1)
+        t(torch.ones(2))                                        # tensor([2., 3.])
+        t.log_abs_det_jacobian(torch.ones(2), t(torch.ones(2)))  # log 6
+    """
+
+    def __init__(self, loc: torch.Tensor, log_scale: torch.Tensor, event_dim: int = 0, cache_size: int = 0) -> None:
+        super().__init__(loc, torch.exp(log_scale), event_dim=event_dim, cache_size=cache_size)
+        self.log_scale = log_scale
+
+    def log_abs_det_jacobian(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        result, shape = self.log_scale, x.shape
+        if self._event_dim:
+            result = result.reshape((*result.shape[: result.dim() - self._event_dim], -1)).sum(-1)
+            shape = shape[: len(shape) - self._event_dim]
+        return result.expand(shape)
 
 
 class ConditionalAffine(ConditionalTransformModule):
@@ -74,12 +101,11 @@ class ConditionalAffine(ConditionalTransformModule):
             self.net[-1].weight.zero_()
             self.linear.weight.zero_()
 
-    def condition(self, context: torch.Tensor) -> AffineTransform:
+    def condition(self, context: torch.Tensor) -> LogScaleAffine:
         out = self.output_multiplier * self.net(context) + self.linear(context)
         shift, raw_scale = out[..., : self.input_dim], out[..., self.input_dim :]
         # scales below e^-15 ≈ 3e-7 would make the inverse overflow (Pyro's affine flows clip too)
-        scale = positive(raw_scale + (raw_scale.clamp(min=-15.0) - raw_scale).detach())
-        return AffineTransform(shift, scale, event_dim=1)
+        return LogScaleAffine(shift, log_positive(raw_scale, floor=-15.0), event_dim=1)
 
 
 class FreeAffine(torch.nn.Module):
@@ -101,8 +127,8 @@ class FreeAffine(torch.nn.Module):
         self.loc = torch.nn.Parameter(loc.detach().clone())
         self.log_scale = torch.nn.Parameter(positive_inv(scale.detach()).clone())
 
-    def transform(self) -> AffineTransform:
-        return AffineTransform(self.loc, positive(self.log_scale), event_dim=1)
+    def transform(self) -> LogScaleAffine:
+        return LogScaleAffine(self.loc, log_positive(self.log_scale), event_dim=1)
 
 
 def _affine(input_dim: int, context_dim: int, hidden: Sequence[int], rate: float = 1.0) -> ConditionalTransformModule:

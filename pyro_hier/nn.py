@@ -47,8 +47,7 @@ class RateLinear(nn.Linear):
             self.weight.div_(self.rate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias * self.rate
-        return nn.functional.linear(x, self.weight * self.rate, bias)
+        return nn.functional.linear(x, self.weight, self.bias) * self.rate  # (one product, on the output)
 
     def set_weight_(self, value: torch.Tensor) -> None:
         """Set the effective weight (stored divided by the rate)."""

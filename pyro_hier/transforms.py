@@ -24,7 +24,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["MAX_LOG_SCALE", "positive", "positive_inv", "raw_from_scale_tril", "scale_tril_from_raw"]
+__all__ = [
+    "MAX_LOG_SCALE",
+    "log_positive",
+    "positive",
+    "positive_inv",
+    "raw_from_scale_tril",
+    "scale_tril_from_raw",
+]
 
 #: ``|log s|`` beyond which :func:`positive` saturates (``e^40 ≈ 2e17``; float32 overflows at ``e^88``).
 MAX_LOG_SCALE = 40.0
@@ -35,8 +42,20 @@ def positive(raw: torch.Tensor) -> torch.Tensor:
 
     The input is clamped to ``[-MAX_LOG_SCALE, MAX_LOG_SCALE]`` with a straight-through gradient, so values stay
     finite and positive in float32 while the optimiser still sees the true direction."""
-    clamped = raw + (raw.clamp(-MAX_LOG_SCALE, MAX_LOG_SCALE) - raw).detach()
-    return torch.exp(clamped)
+    return torch.exp(log_positive(raw))
+
+
+def log_positive(raw: torch.Tensor, floor: float = -MAX_LOG_SCALE) -> torch.Tensor:
+    """``log positive(raw)`` without the round trip through ``exp``: ``raw`` clamped to ``[floor, MAX_LOG_SCALE]``
+    with a straight-through gradient (a log-determinant reads it directly; ``floor`` can be raised, as a flow's
+    scales are kept above ``e^-15``).
+
+    Example::
+
+        raw = torch.tensor([-50.0, 0.5])
+        log_positive(raw)          # tensor([-40.0000, 0.5000]); its gradient is 1 everywhere
+    """
+    return raw + (raw.clamp(floor, MAX_LOG_SCALE) - raw).detach()
 
 
 def positive_inv(s: torch.Tensor | float) -> torch.Tensor:

@@ -7,6 +7,7 @@ import math
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import ClassVar
 
 import pyro
 import pyro.distributions as dist
@@ -15,11 +16,13 @@ from pyro import poutine
 from pyro.distributions.conditional import ConditionalTransformModule
 from pyro.infer.autoguide.initialization import init_to_feasible
 from pyro.nn import PyroModule, PyroParam
+from pyro.params.param_store import param_with_module_name
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.subsample_messenger import _Subsample
 from torch import nn
 from torch.distributions import biject_to, constraints
-from torch.distributions.transforms import AffineTransform, ReshapeTransform, Transform
+from torch.distributions.transforms import AffineTransform, ComposeTransform, ReshapeTransform, Transform
+from torch.distributions.utils import _standard_normal, _sum_rightmost
 
 from pyro_hier.conjugate import (
     GaussianPrior,
@@ -70,6 +73,9 @@ EXPANSION_BACKOFF = 64
 #: inverse, its precision by more than this fraction, nor its slopes by more than 5 times this fraction of their size
 PREDICTION_TOLERANCE = 1e-2
 POWER_GRID = 129
+#: the parts of the reference state (``references.state``): the running mean and variance of the globals' draws, the
+#: mean and sd where the pseudo-observations were read, the training calls since then and the interval of the redos
+STATE_KEYS = ("global_mean", "global_var", "ref_mean", "ref_sd", "calls", "every")
 
 
 class AutoPlateAmortizedFlow(HierarchicalGuide):
@@ -360,6 +366,9 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         self.local_features = local_features
         self.stick_the_landing = stick_the_landing
         self._detached_flows: tuple[nn.Module] | None = None
+        self._transform_dims: dict[tuple, list] = {}  # (site, transform types) → their event dims (_PushForward)
+        self._network_params: list[tuple[str, nn.Module, str]] | None = None  # found on the first call
+        self._event_shapes: dict[tuple, torch.Size] = {}  # (site, support type, event shape) → unconstrained event
         self.num_summary_samples = num_summary_samples
         super().__init__(model, init_loc_fn=init_to_feasible if init_loc_fn is None else init_loc_fn)
 
@@ -372,6 +381,9 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         state["_detached_flows"] = None  # rebuilt on use
+        state["_transform_dims"] = {}
+        state["_network_params"] = None
+        state["_event_shapes"] = {}
         state["_hooked"] = None  # gradient hooks are not pickled: the first training call installs them again
         state["_average_pairs"] = ()
         state["_expansion"] = None  # redone from the references (state) on the next call
@@ -494,16 +506,21 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             self.averages.count = PyroParam(like.new_zeros(()), constraints.real)
             _ = self.averages.count
         # where the model's pseudo-observations are read (state, not optimised): a running mean and variance of the
-        # globals' draws (unconstrained), the mean and sd of the last reference, training calls since it was made
+        # globals' draws (unconstrained), the mean and sd of the last reference, training calls since it was made and
+        # the interval of the redos, in one vector (one parameter for Pyro to carry: see _sync_state)
         self.references = PyroModule()
+        self._state_layout: dict[str, slice | int] = {}
         if self._expanded_sites:
             mean, sd = self._initial_global_moments(like.dtype)
-            state = {"global_mean": mean, "global_var": sd.pow(2), "ref_mean": mean, "ref_sd": sd}
-            state["calls"] = like.new_zeros(())
-            state["every"] = like.new_tensor(float(EXPANSION_EVERY))
-            for key, value in state.items():
-                setattr(self.references, key, PyroParam(value.detach().clone(), constraints.real))
-                getattr(self.references, key)  # (read once: a trace of this call records the parameter, not its init)
+            d = mean.shape[0]
+            self._state_layout = {
+                **{key: slice(i * d, (i + 1) * d) for i, key in enumerate(STATE_KEYS[:4])},
+                "calls": 4 * d,
+                "every": 4 * d + 1,
+            }
+            initial = torch.cat([mean, sd.pow(2), mean, sd, like.new_tensor([0.0, float(EXPANSION_EVERY)])])
+            self.references.state = PyroParam(initial.detach().clone(), constraints.real)
+            _ = self.references.state  # (read once: a trace of this call records the parameter, not its init)
 
     def _initial_global_moments(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The globals' element vector (unconstrained, sites in model order) at the start: the median and spread
@@ -584,8 +601,24 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         when it already holds some under these names (e.g. after ``pyro.get_param_store().load(...)``), as
         ``PyroParam``\\ s do. (Pyro's conditional transforms are abstract base classes, which ``to_pyro_module_``
         cannot convert.)"""
-        for name in ("flows", "encoder", "site_affines"):  # self._modules: PyroModule's getattr would register again
-            pyro.module(self._pyro_get_fullname(name), self._modules[name], update_module_params=True)
+        if self._network_params is None:  # (full name, the module holding it, its name there), as pyro.module's
+            self._network_params = [
+                (param_with_module_name(self._pyro_get_fullname(name), f"{prefix}.{key}".lstrip(".")), owner, key)
+                for name in ("flows", "encoder", "site_affines")  # self._modules: PyroModule's getattr would register
+                for prefix, owner in self._modules[name].named_modules()
+                for key, param in owner._parameters.items()
+                if param is not None and param.requires_grad
+            ]
+        # pyro.module(..., update_module_params=True) without its walk; a call without gradients (Predictive's) only
+        # checks that the store holds these tensors (its trace then records no parameter: nothing optimises them)
+        check = None if torch.is_grad_enabled() else pyro.get_param_store()
+        for full, owner, key in self._network_params:
+            param = owner._parameters[key]
+            if check is not None and full in check and check[full].unconstrained() is param:
+                continue
+            stored = pyro.param(full, param)
+            if stored is not param:
+                owner._parameters[key] = stored
         if self.stick_the_landing:
             live = nn.ModuleDict({"flows": self._modules["flows"], "affines": self._modules["site_affines"]})
             if self._detached_flows is None:
@@ -616,14 +649,34 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         return out
 
     # ---- the model's pseudo-observations ----------------------------------------------------------------------
+    def _sync_state(self) -> None:
+        """Read the reference state through Pyro once per call, which adopts the param store's tensor (e.g. after
+        ``pyro.get_param_store().load``) and, in a training call, records it in the trace as the other parameters are
+        (``JitTrace_ELBO`` takes the parameters its first call records as the compiled step's inputs). A call without
+        gradients (``Predictive``'s) only checks that the store holds this tensor. :meth:`_state` and
+        :meth:`_write_state` then use it directly."""
+        if not self._state_layout:
+            return
+        references = self._modules["references"]
+        if not torch.is_grad_enabled():
+            store, name = pyro.get_param_store(), references._pyro_get_fullname("state")
+            if name in store and store[name].unconstrained() is references._parameters["state_unconstrained"]:
+                return
+        _ = references.state
+
     def _state(self, key: str) -> torch.Tensor:
-        """A reference tensor (state) as it is now, without gradient."""
-        return getattr(self.references, key).detach()
+        """A part of the reference state (``STATE_KEYS``) as it is now, without gradient (a view: clone it to keep it
+        across a write), as adopted by :meth:`_sync_state` (read through Pyro while ``torch.jit`` traces a step, so
+        that the compiled graph takes it as an input, not a constant)."""
+        if torch.jit.is_tracing():
+            return self.references.state.detach()[self._state_layout[key]]
+        return self._modules["references"]._parameters["state_unconstrained"].detach()[self._state_layout[key]]
 
     def _write_state(self, key: str, value: torch.Tensor) -> None:
-        getattr(self.references, key)  # (adopts the param store's tensor, e.g. after a load)
-        raw = self.references.get_parameter(f"{key}_unconstrained")
-        raw.data.copy_(value.to(raw.dtype))
+        if torch.jit.is_tracing():
+            _ = self.references.state
+        raw = self._modules["references"]._parameters["state_unconstrained"]
+        raw.data[self._state_layout[key]] = value.to(raw.dtype)
 
     def _global_values(self, u: torch.Tensor) -> dict[str, torch.Tensor]:
         """The globals' constrained values at their element vector ``u`` (unconstrained)."""
@@ -827,7 +880,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
 
             def expand(at: dict, u: torch.Tensor, name: str = name, scale: float = scale) -> tuple:
                 return element_expansion(
-                    self.model,
+                    self.user_model,  # (every latent site is given: the init strategy's values would go unused)
                     args,
                     kwargs,
                     at,
@@ -946,6 +999,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
     def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         """Sample every latent site; returns ``{site: constrained value}``."""
         self._require_setup(*args, **kwargs)
+        self._sync_state()
         # in an AutoGuideList the list has opened (and recorded) the plates: use their indices, record them once
         listed = {} if self.master is None else dict(getattr(self.master(), "plates", None) or {})
         forced = {name: plate.indices for name, plate in listed.items()}
@@ -975,8 +1029,10 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             if torch.is_grad_enabled():
                 self._attach_hook()
             cascade = _Cascade(self, observations, covariates, gathers, data, forced, expansions)
-            with poutine.block(hide_fn=hidden), cascade:
-                self.user_model(*args, **kwargs)  # the cascade runs the model itself, without the init strategy
+            # the cascade runs the model itself, without the init strategy (and without validating its distributions'
+            # arguments: the model's own run checks the same ones)
+            with poutine.block(hide_fn=hidden), cascade, pyro.validation_enabled(False):
+                self.user_model(*args, **kwargs)
         if torch.is_grad_enabled() and self._expanded_sites:
             self._update_global_moments(cascade)
         missing = [n for n in self.structure.latent if n not in cascade.result]
@@ -1062,8 +1118,13 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         base = msg["fn"]
         if site.is_global and site.batch_shape:  # a global's own batch dims are part of what the flow models
             base = base.to_event(len(site.batch_shape))
-        to_support = biject_to(base.support).with_cache(1)
-        event_u = to_support.inv.forward_shape(base.event_shape)
+        event_shape = base.event_shape  # the value's (the batch is the plates' and the contexts')
+        support = base.support
+        to_support = biject_to(support).with_cache(1)
+        shapes = (name, type(support), event_shape)
+        event_u = self._event_shapes.get(shapes)
+        if event_u is None:
+            event_u = self._event_shapes[shapes] = to_support.inv.forward_shape(event_shape)
         n = site.element_numel
         if event_u.numel() != n:
             raise StructureError(
@@ -1081,15 +1142,15 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         ]
         batch = base.batch_shape
         parts = [_fit_batch(p, len(batch)) for p in parts]
-        batch = torch.broadcast_shapes(batch, *(p.shape[:-1] for p in parts))
+        batch = _broadcast_shapes(batch, *(p.shape[:-1] for p in parts))
         context = torch.cat([p.expand(batch + p.shape[-1:]) for p in parts], dim=-1)
         flat = torch.Size((n,))
         reshape = event_u != flat
         standardise: list[Transform] = []
         if name in self._conjugate_sites:  # q0 = the prior conditional times the model's pseudo-observation
             loc0, scale0 = self._conditional_q0(name, base, cascade)
-            batch = torch.broadcast_shapes(batch, loc0.shape[:-1])
-            base = dist.Normal(context.new_zeros(batch + flat), 1.0).to_event(1)
+            batch = _broadcast_shapes(batch, loc0.shape[:-1])
+            base = _StandardNormal(batch + flat, context)
             head = []
             if scale0.dim() == loc0.dim():
                 standardise = [AffineTransform(loc0, scale0, event_dim=1)]
@@ -1100,21 +1161,23 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                 base = base.expand(batch)
             head = [to_support.inv] + ([ReshapeTransform(event_u, flat)] if reshape else [])
         else:  # a standard normal in unconstrained space (as AutoNormal's base): no rsample, or a global (conjugate)
-            base = dist.Normal(context.new_zeros(batch + flat), 1.0).to_event(1)
+            base = _StandardNormal(batch + flat, context)
             head = []
-        tap = _Tap()
+        tail = ([ReshapeTransform(flat, event_u)] if reshape else []) + [to_support]
 
-        def push_forward(flow: nn.Module, affine: FreeAffine, context: torch.Tensor) -> dist.TorchDistribution:
-            transforms = [*head, tap, flow.condition(context), affine.transform(), *standardise]
-            transforms += [ReshapeTransform(flat, event_u)] if reshape else []
-            transforms.append(to_support)
-            return dist.TransformedDistribution(base, transforms)
+        def push_forward(flow: nn.Module, affine: FreeAffine, context: torch.Tensor) -> _PushForward:
+            transforms = [*head, flow.condition(context), affine.transform(), *standardise, *tail]
+            kinds = (name, *(type(t) for t in transforms))
+            dims = self._transform_dims.get(kinds)
+            if dims is None:
+                dims = self._transform_dims[kinds] = [_transform_dims(t) for t in transforms]
+            return _PushForward(base, transforms, batch, event_shape, dims)
 
         key = self._keys[name]
         if context.shape[:-1] != batch:
             context = context.expand(batch + context.shape[-1:])
         q = push_forward(self._modules["flows"][key], self._modules["site_affines"][key], context)
-        maps = _SiteMaps(q.transforms, tap, n, to_support, event_u)
+        maps = _SiteMaps(q, len(head), n, to_support, event_u)
         if self.stick_the_landing:
             assert self._detached_flows is not None
             for i in range(len(encodings)):  # encodings are variational parameters; the ancestors' values are not
@@ -1181,26 +1244,101 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         return cascade.encodings[level]
 
 
-class _Tap(Transform):
-    """The identity on flat vectors that remembers what went through it: the flow's input, i.e. the base sample."""
+class _PushForward(dist.TransformedDistribution):
+    """``base`` pushed through ``transforms``, as Pyro's ``TransformedDistribution``, but built without its shape
+    inference (the guide knows the shapes) and scoring its own draw from the draw's intermediate values: the
+    log-density of a value drawn here needs no inverse (no extra operations, nor their backward pass), and transforms
+    that preserve volume (reshapes, the identity) are skipped. A value given from outside is inverted as usual.
 
-    domain = constraints.real_vector
-    codomain = constraints.real_vector
-    bijective = True
+    ``dims``: each transform's ``(domain, codomain)`` event dims and whether it changes volume
+    (:func:`_transform_dims`)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: torch.Tensor | None = None
+    def __init__(
+        self,
+        base: dist.TorchDistribution,
+        transforms: list[Transform],
+        batch_shape: torch.Size,
+        event_shape: torch.Size,
+        dims: list[tuple[int, int, bool]],
+    ) -> None:
+        self.base_dist, self.transforms, self._dims = base, transforms, dims
+        self.draw: list[torch.Tensor] | None = None  # the base sample and its image by each transform, last draw
+        torch.distributions.Distribution.__init__(self, batch_shape, event_shape, validate_args=False)
 
-    def _call(self, x: torch.Tensor) -> torch.Tensor:
-        self.seen = x
+    def expand(self, batch_shape, _instance=None) -> dist.TransformedDistribution:
+        batch_shape = torch.Size(batch_shape)
+        shape = batch_shape + self.event_shape
+        for t in reversed(self.transforms):
+            shape = t.inverse_shape(shape)
+        base = self.base_dist.expand(shape[: len(shape) - len(self.base_dist.event_shape)])
+        return _PushForward(base, self.transforms, batch_shape, self.event_shape, self._dims)
+
+    def rsample(self, sample_shape: Sequence[int] = ()) -> torch.Tensor:
+        x = self.base_dist.rsample(torch.Size(sample_shape))
+        draw = [x]
+        for t in self.transforms:
+            x = t(x)
+            draw.append(x)
+        self.draw = draw
         return x
 
-    def _inverse(self, y: torch.Tensor) -> torch.Tensor:
-        return y
+    def sample(self, sample_shape: Sequence[int] = ()) -> torch.Tensor:
+        with torch.no_grad():
+            return self.rsample(sample_shape)
 
-    def log_abs_det_jacobian(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return x.new_zeros(x.shape[:-1])
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        draw = self.draw
+        if draw is None or value is not draw[-1]:
+            return super().log_prob(value)
+        event_dim = len(self.event_shape)
+        log_prob = None
+        for i in range(len(self.transforms) - 1, -1, -1):
+            domain, codomain, volume = self._dims[i]
+            event_dim += domain - codomain
+            if not volume:
+                continue
+            term = _sum_rightmost(self.transforms[i].log_abs_det_jacobian(draw[i], draw[i + 1]), event_dim - domain)
+            log_prob = -term if log_prob is None else log_prob - term
+        base = _sum_rightmost(self.base_dist.log_prob(draw[0]), event_dim - len(self.base_dist.event_shape))
+        return base if log_prob is None else log_prob + base
+
+
+class _StandardNormal(dist.TorchDistribution):
+    """The standard normal on vectors of ``shape`` (the last dim the event), dtype and device of ``like``: the base
+    of the guide's flows, without building a ``Normal`` and an ``Independent`` (and their checks) per site and call.
+    Its draws are ``Normal(0, 1)``'s from the same random numbers."""
+
+    arg_constraints: ClassVar[dict] = {}
+    support = constraints.real_vector
+    has_rsample = True
+
+    def __init__(self, shape: torch.Size, like: torch.Tensor) -> None:
+        self._like = like
+        super().__init__(shape[:-1], shape[-1:], validate_args=False)
+
+    def expand(self, batch_shape, _instance=None) -> _StandardNormal:
+        return _StandardNormal(torch.Size(batch_shape) + self.event_shape, self._like)
+
+    def rsample(self, sample_shape: Sequence[int] = ()) -> torch.Tensor:
+        shape = torch.Size(sample_shape) + self.batch_shape + self.event_shape
+        return _standard_normal(shape, dtype=self._like.dtype, device=self._like.device)
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        return -0.5 * value.pow(2).sum(-1) - 0.5 * self.event_shape[0] * math.log(2 * math.pi)
+
+
+def _broadcast_shapes(first: torch.Size, *others: torch.Size) -> torch.Size:
+    """``torch.broadcast_shapes``, at once when the shapes are equal (the usual case here)."""
+    if all(shape == first for shape in others):
+        return first
+    return torch.broadcast_shapes(first, *others)
+
+
+def _transform_dims(t: Transform) -> tuple[int, int, bool]:
+    """``(domain, codomain)`` event dims of a transform, and whether it changes volume (not a reshape, nor the
+    identity: their log-determinant is 0)."""
+    volume = not (isinstance(t, ReshapeTransform) or (isinstance(t, ComposeTransform) and not t.parts))
+    return t.domain.event_dim, t.codomain.event_dim, volume
 
 
 class _CholeskyAffine(Transform):
@@ -1232,26 +1370,31 @@ class _CholeskyAffine(Transform):
 
 class _SiteMaps:
     """Maps a site's sampled value back to the flow's base space: the prior sample it was pushed from, in
-    unconstrained space and flattened, which is what its descendants see in their contexts."""
+    unconstrained space and flattened (the input of the flow's transform at ``tap`` in the chain), which is what its
+    descendants see in their contexts."""
 
-    def __init__(self, transforms: list, tap: _Tap, numel: int, to_support: Transform, event_u: torch.Size) -> None:
-        self.transforms, self.tap, self.numel = transforms, tap, numel
+    def __init__(self, q: _PushForward, tap: int, numel: int, to_support: Transform, event_u: torch.Size) -> None:
+        self.q, self.tap, self.numel = q, tap, numel
         self.to_support, self.event_u = to_support, event_u
+
+    def _drawn(self, value: torch.Tensor) -> list[torch.Tensor] | None:
+        draw = self.q.draw
+        return draw if draw is not None and draw[-1] is value else None
 
     def unconstrained(self, value: torch.Tensor) -> torch.Tensor:
         """The value in unconstrained space, flattened ``(…, n)`` (the draw's own tensor when it was drawn here)."""
-        z = self.to_support.inv(value)
+        draw = self._drawn(value)
+        z = self.to_support.inv(value) if draw is None else draw[-2]
         return z.reshape((*z.shape[: z.dim() - len(self.event_u)], self.numel))
 
     def base_value(self, value: torch.Tensor) -> torch.Tensor:
-        if self.tap.seen is not None:  # drawn by this site's rsample (a fresh tap per call): the exact base sample
-            return self.tap.seen
+        draw = self._drawn(value)
+        if draw is not None:  # drawn by this site's rsample: the exact base sample
+            return draw[self.tap]
         x = value  # given from outside (e.g. replayed): invert the chain
-        for t in reversed(self.transforms):
-            if t is self.tap:
-                return x
+        for t in reversed(self.q.transforms[self.tap :]):
             x = t.inv(x)
-        raise AssertionError("the tap is part of the chain")
+        return x
 
 
 class _Cascade(PlateRecorder):
