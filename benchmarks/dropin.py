@@ -96,7 +96,9 @@ class Row:
     cpu: float = math.nan  # process CPU seconds (one torch thread: the machine's other load does not count)
 
 
-def _errors(samples: dict[str, torch.Tensor], reference: dict[str, Moments]) -> tuple[float, float, float, float]:
+def posterior_errors(
+    samples: dict[str, torch.Tensor], reference: dict[str, Moments]
+) -> tuple[float, float, float, float]:
     errs, ratios = [], []
     for name, ref in reference.items():
         v = samples[name].double()
@@ -128,7 +130,7 @@ def fit_svi(problem: Problem, make: Callable, steps: int, lr: float, seed: int, 
         samples = Predictive(problem.model, guide=guide, num_samples=draws, return_sites=sites)(
             *problem.args, **problem.kwargs
         )
-    return Row(*_errors(samples, problem.moments), time.perf_counter() - start, time.process_time() - cpu)
+    return Row(*posterior_errors(samples, problem.moments), time.perf_counter() - start, time.process_time() - cpu)
 
 
 def fit_nuts_pyro(problem: Problem, seed: int, draws: int, warmup: int) -> Row:
@@ -147,7 +149,7 @@ def fit_nuts_pyro(problem: Problem, seed: int, draws: int, warmup: int) -> Row:
     missing = [s for s in problem.moments if s not in samples]
     if missing:  # deterministic sites
         samples.update(Predictive(problem.model, samples, return_sites=missing)(*problem.args, **problem.kwargs))
-    return Row(*_errors(samples, problem.moments), time.perf_counter() - start, time.process_time() - cpu)
+    return Row(*posterior_errors(samples, problem.moments), time.perf_counter() - start, time.process_time() - cpu)
 
 
 def fit_nuts_numpyro(problem_name: str, problem: Problem, seed: int, draws: int, warmup: int) -> Row:
@@ -155,7 +157,7 @@ def fit_nuts_numpyro(problem_name: str, problem: Problem, seed: int, draws: int,
 
     start, cpu = time.perf_counter(), time.process_time()
     samples = numpyro_run(problem_name, problem, seed=seed, draws=draws, warmup=warmup)
-    return Row(*_errors(samples, problem.moments), time.perf_counter() - start, time.process_time() - cpu)
+    return Row(*posterior_errors(samples, problem.moments), time.perf_counter() - start, time.process_time() - cpu)
 
 
 def machine() -> str:
