@@ -7,15 +7,17 @@ the summaries, shortened runs with bounds loose enough for their budget but far 
 - ``AutoBranchGuide``: 800 steps at rate 0.03, every posterior mean within 1.2 reference sds. Measured when written:
   0.67 (AutoNormal in the same loop: 2.95; the previous default, the linear dense conditional, 1.54 even after the
   full 5,000 steps at rate 0.01). The Monte Carlo error of the 1,000 draws' means is under 0.1 sd.
-- ``AutoHierarchicalVM``: radon with HalfNormal priors, 1,000 steps at rate 0.03, every posterior mean within 0.5
+- ``AutoHierarchicalVM``: radon with HalfNormal priors, 1,000 steps at rate 0.03, every posterior mean within 0.8
   reference sds and every sd at least 0.35 of the reference's. Measured when written (500 draws, seed 0): max error
-  0.37, sd ratios 0.51–1.04. The previous default (λ's locations in the counties at Adam's full rate, not half of
-  it: ``LOCAL_RATE``) gave 0.58, sd ratios 0.54–1.31; at 0.3 of the rate the county scale collapsed (max error 33).
-  (Earlier defaults: children stretched about the origin of the unconstrained space, slopes read once at the init
-  values, r's shift in λ's units, gave 0.92 with the county scale's q at 0.12 of its posterior sd.)
-  And Uniform priors, 800 steps at rate 0.05, every posterior mean within 0.65 reference sds. Measured when written
-  (500 draws, seed 0): 0.545, sd ratios 0.59–1.15. The previous default (locations at the full rate) gave 0.759, and
-  the one before (Adam's changes on top of the model-read slopes at a tenth of its rate, not a hundredth) 0.899.
+  0.58, sd ratios 0.54–1.31. The previous default (children stretched about the origin of the unconstrained space,
+  slopes read once at the init values, r's shift in λ's units) gave 0.92 with the county scale's q at 0.12 of its
+  posterior sd, the collapse its full drop-in run ended in (0.685). (The guard before, 500 steps at rate 0.05 on the
+  Uniform priors, measured 0.33 on that default and 1.21 on this one: the county scale's location is not there yet
+  after 500 steps; after the full 5,000 steps at rate 0.01 this default is the better one on both priors.)
+  And Uniform priors, 800 steps at rate 0.05, every posterior mean within 0.83 reference sds. Measured when written
+  (500 draws, seed 0): 0.759, sd ratios 0.58–1.28. The previous default (Adam's changes on top of the model-read
+  slopes at a tenth of its rate, not a hundredth) gave 0.899 (its full drop-in runs at rate 0.05 ended 0.73–0.80
+  over 3 seeds against AutoNormal's 0.55–0.76; this default's 0.64–0.71).
 - ``AutoPlateAmortizedFlow``: the first 600 steps of the 5,000-step loop at rate 0.05 (the rate still near 0.05,
   where the previous default's county scale collapsed), seed 1: every posterior mean within 1.2 reference sds and
   every sd between 0.4 and 2.5 of the reference's. Measured when written (500 draws): max error 0.51, sd ratios
@@ -87,7 +89,7 @@ def test_default_hierarchical_vm_in_the_users_loop_on_radon():
         AutoHierarchicalVM, steps=1000, lr=0.03, draws=500, parallel=True, prior="halfnormal"
     )
     assert math.isfinite(loss) and loss < 1200  # the posterior's -ELBO is about 1080
-    assert error < 0.5, error
+    assert error < 0.8, error
     assert low > 0.35, low  # the county scale's q does not collapse
     assert ratio < 2.0, ratio
 
@@ -95,7 +97,7 @@ def test_default_hierarchical_vm_in_the_users_loop_on_radon():
 def test_default_hierarchical_vm_at_a_high_rate_on_radon():
     loss, error, _, _ = fit_in_the_users_loop(AutoHierarchicalVM, steps=800, lr=0.05, draws=500, parallel=True)
     assert math.isfinite(loss)
-    assert error < 0.65, error
+    assert error < 0.83, error
 
 
 def test_default_plate_amortized_flow_in_the_users_loop_on_radon():
