@@ -120,7 +120,7 @@ def log_joint(a, n, b):
 def _nodes(guide, level, num_nodes):
     """Quadrature of q(λ) of every element of ``level``: nodes (M, *batch, D) and log-weights (M, *batch) such that
     E_q[g(λ)] = Σ exp(logw) g(λ) per element — Gauss–Hermite in each coordinate of each mixture component."""
-    locs = getattr(guide.prior_params, f"{level.key}_locs")  # (*batch, K, D)
+    locs = guide._rate(level, f"{level.key}_locs") * getattr(guide.prior_params, f"{level.key}_locs")  # (*batch, K, D)
     scales = positive(getattr(guide.prior_params, f"{level.key}_scales"))
     log_pi = torch.log_softmax(_LOGIT_SCALE * getattr(guide.prior_params, f"{level.key}_logits"), -1)
     x, w = _gauss_hermite(num_nodes, f64, "cpu")
