@@ -12,7 +12,7 @@ import torch
 from torch.distributions import constraints
 from torch.distributions.utils import _standard_normal, lazy_property
 
-__all__ = ["CholeskyPrecisionNormal", "ConjugateScorer", "StickingTheLanding"]
+__all__ = ["CholeskyPrecisionNormal", "ConjugateScorer", "StickingTheLanding", "unwrap"]
 
 
 class StickingTheLanding(dist.TorchDistribution):
@@ -234,3 +234,13 @@ class ConjugateScorer(dist.TorchDistribution):
             self.prior_loc.expand(batch_shape + d),
             self.prior_precision.expand(batch_shape + d),
         )
+
+
+def unwrap(fn: torch.distributions.Distribution) -> torch.distributions.Distribution:
+    """The distribution behind Pyro's shape wrappers (``Independent`` from ``to_event``, ``ExpandedDistribution``
+    from ``expand``, ``MaskedDistribution`` from ``mask``).
+
+    Example: ``unwrap(Normal(0, 1).expand([3]).to_event(1))`` is the ``Normal``."""
+    while isinstance(fn, dist.Independent | dist.MaskedDistribution | dist.ExpandedDistribution):
+        fn = fn.base_dist
+    return fn

@@ -30,6 +30,7 @@ from pyro import poutine
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.subsample_messenger import _Subsample
 
+from pyro_hier.distributions import unwrap
 from pyro_hier.errors import StructureError
 from pyro_hier.gather_maps import arguments_key, full_data_call, same_key
 from pyro_hier.gathers import keep_random_state
@@ -191,9 +192,7 @@ def capture_observations(
 
 def is_factor(fn) -> bool:
     """``True`` for the distribution of a ``pyro.factor`` statement (a log-density term, not data)."""
-    while isinstance(fn, dist.Independent | dist.MaskedDistribution | dist.ExpandedDistribution):
-        fn = fn.base_dist
-    return isinstance(fn, dist.Unit)
+    return isinstance(unwrap(fn), dist.Unit)
 
 
 def observation_features(

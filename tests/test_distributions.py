@@ -102,3 +102,14 @@ def test_cholesky_precision_normal_is_the_multivariate_normal_of_that_precision(
     centred = draws - loc
     cov = torch.einsum("s...i,s...j->...ij", centred, centred) / draws.shape[0]
     torch.testing.assert_close(cov, ref.covariance_matrix, atol=0.05, rtol=0.05)
+
+
+def test_unwrap_finds_the_distribution_behind_shape_wrappers():
+    import pyro.distributions as pdist
+
+    from pyro_hier.distributions import unwrap
+
+    normal = pdist.Normal(torch.zeros(2), 1.0)
+    wrapped = normal.expand([4, 2]).mask(torch.ones(4, 2, dtype=torch.bool)).to_event(1)
+    assert isinstance(unwrap(wrapped), pdist.Normal) and unwrap(normal) is normal
+    assert isinstance(unwrap(pdist.Bernoulli(logits=torch.zeros(3)).to_event(1)), pdist.Bernoulli)

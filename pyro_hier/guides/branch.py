@@ -27,7 +27,7 @@ from pyro_hier.conjugate import (
     psd_root,
     rebase,
 )
-from pyro_hier.distributions import CholeskyPrecisionNormal, ConjugateScorer, StickingTheLanding
+from pyro_hier.distributions import CholeskyPrecisionNormal, ConjugateScorer, StickingTheLanding, unwrap
 from pyro_hier.gather_maps import CallGathers, GatherMaps, full_call_gathers, full_data_call
 from pyro_hier.gathers import keep_random_state
 from pyro_hier.guides.base import HierarchicalGuide, concat_broadcast
@@ -324,7 +324,7 @@ class AutoBranchGuide(HierarchicalGuide):
         """Whether the level has observations of its own (observed sites with one of its sites as a parent) and all of
         them are Normal (behind any ``to_event``, ``expand`` or mask)."""
         observed = [name for name in structure.observed if set(structure.parents[name]) & set(level.sites)]
-        return bool(observed) and all(_is_normal(structure.observed[name].fn) for name in observed)
+        return bool(observed) and all(isinstance(unwrap(structure.observed[name].fn), dist.Normal) for name in observed)
 
     def _may_be_conjugate(self, level: PlateLevel, structure: ModelStructure) -> bool:
         """Whether a level gets the conjugate conditional: a plated level whose sites' prior conditionals are Gaussian
@@ -1590,14 +1590,6 @@ def _reference_change(old: tuple, new: tuple, diagonal: bool) -> torch.Tensor:
 
 def _as_list(plates) -> list:
     return [plates] if isinstance(plates, pyro.plate) else list(plates)
-
-
-def _is_normal(fn) -> bool:
-    """Whether a distribution is a Normal behind wrappers (``Independent``, ``ExpandedDistribution``,
-    ``MaskedDistribution``)."""
-    while hasattr(fn, "base_dist"):
-        fn = fn.base_dist
-    return isinstance(fn, dist.Normal)
 
 
 def _subsample_size(plate: pyro.plate | PlateCall) -> int:

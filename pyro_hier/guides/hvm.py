@@ -53,6 +53,7 @@ from torch import nn
 from torch.distributions import constraints, register_kl
 
 from pyro_hier.conjugate import capture_priors, element_curvature, gaussian_prior
+from pyro_hier.distributions import unwrap
 from pyro_hier.errors import StructureError
 from pyro_hier.guides.base import (
     HierarchicalGuide,
@@ -404,12 +405,6 @@ class _Level:
         return sum(s.size for s in self.sites)
 
 
-def _unwrap(fn):
-    while isinstance(fn, dist.Independent | dist.MaskedDistribution | dist.ExpandedDistribution):
-        fn = fn.base_dist
-    return fn
-
-
 def _family(site: LatentSite) -> tuple[str, int, int]:
     """``(family, low, count)`` for a site, from its support (and distribution for Binomial)."""
     if not site.discrete:
@@ -417,7 +412,7 @@ def _family(site: LatentSite) -> tuple[str, int, int]:
     support = site.support
     while hasattr(support, "base_constraint"):  # independent(...), a mixture's constraint
         support = support.base_constraint
-    fn = _unwrap(site.fn)
+    fn = unwrap(site.fn)
     if support is constraints.boolean:
         return "bernoulli", 0, 0
     if support is constraints.nonnegative_integer:
@@ -801,7 +796,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
         fn = self.prototype_trace.nodes[spec.name]["fn"]
         with torch.no_grad():
             draws = fn.sample((256,))
-            base = _unwrap(fn)
+            base = unwrap(fn)
             dtype = draws.dtype if draws.is_floating_point() else getattr(base, "logits", base.mean).dtype
             draws = draws.to(dtype)
             for p in site.plates:
