@@ -60,11 +60,10 @@ from dataclasses import dataclass
 import pyro.distributions as dist
 import torch
 from pyro import poutine
-from pyro.poutine.messenger import Messenger
 from pyro.poutine.subsample_messenger import _Subsample
 from torch.distributions import biject_to, constraints
 
-from pyro_hier.plates import PlateCall, PlateRecorder
+from pyro_hier.plates import PlateCall, PlateRecorder, ReplaySubsamples
 
 __all__ = [
     "GaussianPrior",
@@ -217,19 +216,7 @@ class _Reached(Exception):
     """Raised inside the model to stop it once every wanted prior conditional has been seen."""
 
 
-class _PlateReplay(Messenger):
-    """Gives the plates the model subsamples at random (``subsample_size=``) the indices of ``subsamples``."""
-
-    def __init__(self, subsamples: dict[str, torch.Tensor]) -> None:
-        super().__init__()
-        self.subsamples = subsamples
-
-    def _pyro_sample(self, msg) -> None:
-        if isinstance(msg["fn"], _Subsample) and msg["value"] is None and msg["name"] in self.subsamples:
-            msg["value"], msg["done"] = self.subsamples[msg["name"]], True
-
-
-class _PriorCapture(_PlateReplay):
+class _PriorCapture(ReplaySubsamples):
     def __init__(self, values: dict[str, torch.Tensor], wanted: set[str], subsamples: dict) -> None:
         super().__init__(subsamples)
         self.values, self.wanted = values, wanted
@@ -311,7 +298,7 @@ def element_expansion(
     with torch.enable_grad():
         u = level_u.detach().clone().requires_grad_(True)
         own = to_values(u)
-        with poutine.block(), _PlateReplay(subsamples or {}):  # recorded here, hidden from the caller's handlers
+        with poutine.block(), ReplaySubsamples(subsamples or {}):  # recorded here, hidden from the caller's handlers
             trace = poutine.trace(poutine.condition(model, {**values, **own})).get_trace(*args, **kwargs)
         missing = [n for n in observed if n in trace.nodes and not trace.nodes[n]["is_observed"]]
         if missing:

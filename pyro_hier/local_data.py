@@ -28,13 +28,12 @@ import pyro.distributions as dist
 import torch
 from pyro import poutine
 from pyro.poutine.messenger import Messenger
-from pyro.poutine.subsample_messenger import _Subsample
 
 from pyro_hier.distributions import unwrap
 from pyro_hier.errors import StructureError
 from pyro_hier.gather_maps import arguments_key, full_data_call, same_key
 from pyro_hier.gathers import keep_random_state
-from pyro_hier.plates import PlateCall, PlateRecorder
+from pyro_hier.plates import PlateCall, PlateRecorder, ReplaySubsamples
 
 __all__ = [
     "GroupedData",
@@ -161,18 +160,6 @@ def _as_mask(mask) -> torch.Tensor | None:
     return mask.to(torch.bool)
 
 
-class _ForcePlates(Messenger):
-    """Gives plates that Pyro would subsample at random (``subsample_size=``) the indices ``subsamples``."""
-
-    def __init__(self, subsamples: Mapping[str, torch.Tensor]) -> None:
-        super().__init__()
-        self.subsamples = subsamples
-
-    def _pyro_sample(self, msg) -> None:
-        if isinstance(msg["fn"], _Subsample) and msg["value"] is None and msg["name"] in self.subsamples:
-            msg["value"] = self.subsamples[msg["name"]]
-
-
 def capture_observations(
     model: Callable, args: tuple = (), kwargs: dict | None = None, *, subsamples: Mapping | None = None
 ) -> tuple[dict[str, PlateCall], dict[str, Observation]]:
@@ -181,7 +168,7 @@ def capture_observations(
     (a guide's model is wrapped in its init strategy, so no random draws are spent). ``subsamples`` gives plates
     that Pyro would subsample at random their indices (:func:`pyro_hier.gather_maps.full_data_call`)."""
     plates, observed = PlateRecorder(), _ObservationRecorder()
-    with torch.no_grad(), poutine.block(), _ForcePlates(subsamples or {}), plates, observed:
+    with torch.no_grad(), poutine.block(), ReplaySubsamples(subsamples or {}), plates, observed:
         model(*args, **(kwargs or {}))
     calls = plates.calls
     for name in subsamples or {}:  # a forced plate is the model's own choice here

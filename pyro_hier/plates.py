@@ -28,6 +28,7 @@ from pyro_hier.errors import StructureError
 __all__ = [
     "GatheredRows",
     "PlateCall",
+    "ReplaySubsamples",
     "call_key",
     "capture_plates",
     "check_plate_sizes",
@@ -63,6 +64,26 @@ class PlateCall:
     @property
     def subsampled(self) -> bool:
         return self.subsample_size < self.size
+
+
+class ReplaySubsamples(Messenger):
+    """Gives the plates that Pyro would subsample at random (``pyro.plate(name, N, subsample_size=B)``) the indices
+    ``subsamples[name]`` instead (each of length ``B``: Pyro checks it); plates the model gives its own indices, and
+    plates not listed, are left alone.
+
+    Example::
+
+        with ReplaySubsamples({"groups": torch.arange(10)}):
+            model()  # pyro.plate("groups", 1000, subsample_size=10) opens groups 0..9
+    """
+
+    def __init__(self, subsamples: Mapping[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.subsamples = subsamples
+
+    def _pyro_sample(self, msg) -> None:
+        if isinstance(msg["fn"], _Subsample) and msg["value"] is None and msg["name"] in self.subsamples:
+            msg["value"], msg["done"] = self.subsamples[msg["name"]], True
 
 
 class _AllPlatesSeen(Exception):
@@ -103,13 +124,19 @@ class PlateRecorder(Messenger):
 
 
 def capture_plates(
-    model: Callable, args: tuple = (), kwargs: dict | None = None, *, names: Iterable[str] | None = None
+    model: Callable,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    *,
+    names: Iterable[str] | None = None,
+    subsamples: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, PlateCall]:
     """Run ``model(*args, **kwargs)`` until every plate in ``names`` has been opened and return what it did.
 
     The model runs hidden from every outer handler (nothing enters the caller's trace, no outer plate broadcasts it)
     and stops as soon as the last plate in ``names`` is created, so the cost is that of the model's code up to its
-    innermost plate. With ``names=None`` the whole model runs.
+    innermost plate. With ``names=None`` the whole model runs. ``subsamples`` gives plates that Pyro would subsample
+    at random these indices (:class:`ReplaySubsamples`); they count as Pyro's draw (``user_indices=False``).
 
     Example::
 
@@ -120,7 +147,7 @@ def capture_plates(
         capture_plates(model, (torch.tensor([3, 5]),))["groups"].indices  # tensor([3, 5])
     """
     recorder = PlateRecorder(stop_after=names)
-    with poutine.block(), recorder:
+    with poutine.block(), ReplaySubsamples(subsamples or {}), recorder:
         try:
             model(*args, **(kwargs or {}))
         except _AllPlatesSeen:

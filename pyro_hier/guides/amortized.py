@@ -374,6 +374,10 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         state["_model_run"] = None
         return state
 
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        self._expansion_cache = None  # (made at the parameters before the load: made again on the next call)
+
     # ---- setup --------------------------------------------------------------------------------------------------
     def _setup_prototype(self, *args, **kwargs) -> None:
         self._setup_call = (args, kwargs)  # completed with the model's run in _setup_guide
@@ -658,8 +662,9 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         return calls, observations
 
     def _inspect_model(self, args: tuple, kwargs: dict) -> tuple[dict[str, PlateCall], dict[str, Observation]]:
+        blocks = self._summary_subsamples  # (summaries block by block: plates Pyro subsamples at random)
         if self._needs_observations():
-            return capture_observations(self.model, args, kwargs)
+            return capture_observations(self.model, args, kwargs, subsamples=blocks)
         if not self.has_model:  # unpickled without its model, ragged data only: every group, as AutoNormal would
             assert self.structure is not None
             return {
@@ -667,7 +672,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
                 for n, p in self.structure.plates.items()
             }, {}
         assert self.structure is not None
-        return capture_plates(self.model, args, kwargs, names=list(self.structure.plates)), {}
+        return capture_plates(self.model, args, kwargs, names=list(self.structure.plates), subsamples=blocks), {}
 
     def _all_covariates(self, args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
         assert self.structure is not None
@@ -1396,6 +1401,10 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
     @property
     def _prior_reading_levels(self) -> tuple[str, ...]:
         return self.prior_levels
+
+    @property
+    def _call_reading_levels(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys((*self.prior_levels, *self.amortized_levels)))
 
     def _require_linear(self, level: str) -> None:
         if level in self.prior_levels:

@@ -5,11 +5,13 @@ does (an auxiliary unconstrained site, then a ``Delta`` with the log-Jacobian)."
 from __future__ import annotations
 
 import copy
+import itertools
 import pickle
 import sys
 import types
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 
 import pyro
 import pyro.distributions as dist
@@ -417,6 +419,64 @@ class HierarchicalGuide(AutoGuide):
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(0)
             return self.sample_latents(self.num_summary_samples, *args, **kwargs)
+
+    #: indices of the blocks of plates Pyro subsamples at random while summaries are taken block by block
+    #: (:meth:`_join_blocks`): guides that run the model themselves replay them into it
+    _summary_subsamples: dict[str, torch.Tensor] | None = None
+
+    @contextmanager
+    def _replaying(self, blocks: dict[str, torch.Tensor]) -> Iterator[None]:
+        """Within: the model's runs by the guide open the plates of ``blocks`` at these indices."""
+        self._summary_subsamples = blocks
+        try:
+            yield
+        finally:
+            self.__dict__.pop("_summary_subsamples", None)
+
+    def _join_blocks(
+        self,
+        calls: dict[str, PlateCall],
+        summarise: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+    ) -> dict[str, torch.Tensor]:
+        """Per-element summaries ``{site: (..., *site.shape)}`` at the full sizes of plates that Pyro subsamples at
+        random (``calls``: ``pyro.plate(name, N, subsample_size=B)``, which Pyro cannot open in full), from
+        ``summarise(blocks)`` on consecutive blocks of ``B`` elements (``blocks``: plate → indices; the last block
+        ends at ``N``, overlapping the one before), joined along the plates. Each block's draws of an element are
+        draws of its marginal under q, so marginal summaries (quantiles, a median) join exactly; sites outside these
+        plates are read on the first block."""
+        assert self.structure is not None
+        drawn = list(calls)
+        device = calls[drawn[0]].indices.device
+        starts = {}
+        for n in drawn:
+            size, block = calls[n].size, calls[n].subsample_size
+            starts[n] = [min(s, size - block) for s in range(0, size, block)]
+        out: dict[str, torch.Tensor] = {}
+        for choice in itertools.product(*(range(len(starts[n])) for n in drawn)):
+            blocks, keep = {}, {}
+            for n, k in zip(drawn, choice, strict=True):
+                start, block = starts[n][k], calls[n].subsample_size
+                blocks[n] = torch.arange(start, start + block, device=device)
+                keep[n] = (k * block - start, start, start + block)  # (first new position, the block's range)
+            piece = summarise(blocks)
+            for name, value in piece.items():
+                site = self.structure.latent[name]
+                at = {n: site.plate_dims[site.plates.index(n)] - site.event_dim for n in drawn if n in site.plates}
+                if not at:
+                    out.setdefault(name, value)
+                    continue
+                if name not in out:
+                    shape = list(value.shape)
+                    for n, d in at.items():
+                        shape[d] = calls[n].size
+                    out[name] = value.new_empty(shape)
+                source: list = [slice(None)] * value.dim()
+                target: list = [slice(None)] * value.dim()
+                for n, d in at.items():
+                    first, start, end = keep[n]
+                    source[d], target[d] = slice(first, None), slice(start + first, end)
+                out[name][tuple(target)] = value[tuple(source)]
+        return out
 
     @torch.no_grad()
     def median(self, *args, **kwargs) -> dict[str, torch.Tensor]:

@@ -1161,6 +1161,11 @@ class AutoBranchGuide(HierarchicalGuide):
         return self._level_distribution(level, values, plates)  # parameters read (and cut) outside the plates
 
     @property
+    def _call_reading_levels(self) -> tuple[str, ...]:
+        """Levels whose q reads the data of the call it is given (summaries of their groups need all the data)."""
+        return self._prior_reading_levels
+
+    @property
     def _prior_reading_levels(self) -> tuple[str, ...]:
         """Levels whose conditional reads the model's prior conditional at the ancestors' draws on each call: their
         marginals (and those of the levels below them) have no closed form, so the summaries are drawn."""
@@ -1337,38 +1342,89 @@ class AutoBranchGuide(HierarchicalGuide):
         return out
 
     @contextmanager
-    def _summary_call(self, args: tuple, kwargs: dict) -> Iterator[tuple[tuple, dict]]:
+    def _summary_call(
+        self, args: tuple, kwargs: dict, blocks: dict[str, torch.Tensor] | None = None
+    ) -> Iterator[tuple[tuple, dict]]:
         """The call on which draw-based summaries are taken: the model's call on all the data of ``args`` (the
         prototype's when none are given), the guide's plates opened at full size, so that summaries have the plates'
-        full sizes, as AutoNormal's."""
+        full sizes, as AutoNormal's. Plates that Pyro subsamples at random (``subsample_size=B``) cannot be opened
+        in full (Pyro insists on ``B`` elements): ``blocks`` gives such a plate the indices of one block of ``B``
+        elements to open instead (:meth:`_summary_blocks`)."""
         assert self.structure is not None
+        blocks = blocks or {}
         if not args and not kwargs:
             args, kwargs = self.structure.args, self.structure.kwargs
-        reading = sorted({p for name in self._prior_reading_levels for p in self._levels[name].plates})
-        drawn = []
-        if reading and self.has_model:  # plates Pyro subsamples at random: it cannot reopen them in full
-            calls = self._capture_plates(args, kwargs, reading)
-            drawn = [n for n in reading if n in calls and calls[n].subsampled and not calls[n].user_indices]
+        drawn = [n for n in self._drawn_summary_plates(args, kwargs) if n not in blocks]
         args, kwargs, forced = full_data_call(self.model, args, kwargs)
         if drawn:
             raise StructureError(
-                f"{type(self).__name__}'s median and quantiles of the groups draw them from the model's prior "
-                f"conditional on all the data, and Pyro cannot open plate '{drawn[0]}' in full: the model "
-                "subsamples it at random (subsample_size=). Pass the indices as an argument instead "
-                "(pyro.plate(name, N, subsample=idx), idx=None for all the groups), or use Predictive(model, "
-                "guide=guide) for draws of each call's minibatch."
+                f"{type(self).__name__}'s summaries of the groups draw them from the model's prior conditional on "
+                f"all the data, and Pyro cannot open plate '{drawn[0]}' in full: the model subsamples it at random "
+                "(subsample_size=). median() and quantiles() take them block by block; for other summaries pass the "
+                "indices as an argument instead (pyro.plate(name, N, subsample=idx), idx=None for all the groups)."
             )
         saved = self.create_plates
         if forced:  # plates the model subsamples at random: the guide opens them in full, the model replays that
             dims = {n: self.structure.plates[n].dim for n in forced if n in self.structure.plates}
             self.create_plates = lambda *a, **k: (
-                [pyro.plate(n, self.structure.plates[n].size, dim=d) for n, d in dims.items() if d is not None]
+                [
+                    pyro.plate(n, self.structure.plates[n].size, subsample=blocks.get(n), dim=d)
+                    for n, d in dims.items()
+                    if d is not None
+                ]
                 + ([] if saved is None else list(_as_list(saved(*a, **k))))
             )
         try:
-            yield args, kwargs
+            with self._replaying(blocks):  # (guides that run the model themselves replay the blocks into it)
+                yield args, kwargs
         finally:
             self.create_plates = saved
+
+    def _drawn_summary_plates(self, args: tuple, kwargs: dict) -> list[str]:
+        """The plates of the levels whose q reads the call (:attr:`_call_reading_levels`) which Pyro subsamples at
+        random on this call."""
+        assert self.structure is not None
+        reading = sorted({p for name in self._call_reading_levels for p in self._levels[name].plates})
+        if not reading or not self.has_model:
+            return []
+        calls = self._capture_plates(args, kwargs, reading)
+        return [n for n in reading if n in calls and calls[n].subsampled and not calls[n].user_indices]
+
+    def _summary_blocks(
+        self, args: tuple, kwargs: dict, summarise: Callable[[tuple, dict], dict[str, torch.Tensor]]
+    ) -> dict[str, torch.Tensor]:
+        """Per-element summaries (marginal: quantiles, a median), ``{site: (..., *site.shape)}`` at full plate
+        sizes, from ``summarise(call_args, call_kwargs)`` on the model's call on all the data (:meth:`_summary_call`).
+
+        Where the model draws a plate's subsample at random (``pyro.plate(name, N, subsample_size=B)``), Pyro cannot
+        open it in full; the summaries are then taken on consecutive blocks of ``B`` elements (the last block ending at
+        ``N``, overlapping the one before) and joined. Each block's draws of an element are draws of its marginal
+        under q, so marginal summaries join exactly (sites outside these plates are read on the first block).
+        Not where a level that reads the model's conditional lies outside these plates: it would read one block's
+        data (a clear error)."""
+        assert self.structure is not None
+        if not args and not kwargs:
+            args, kwargs = self.structure.args, self.structure.kwargs
+        drawn = self._drawn_summary_plates(args, kwargs)
+        if not drawn:
+            with self._summary_call(args, kwargs) as (call_args, call_kwargs):
+                return summarise(call_args, call_kwargs)
+        for name in self._call_reading_levels:
+            if not set(drawn) <= set(self._levels[name].plates):
+                outside = next(p for p in drawn if p not in self._levels[name].plates)
+                raise StructureError(
+                    f"{type(self).__name__}: level '{name}' reads the data of the call it is given, but it is "
+                    f"not in plate '{outside}', which the model subsamples at random (subsample_size=), so Pyro cannot "
+                    "open it in full for median() or quantiles(). Pass the indices as an argument instead "
+                    f"(pyro.plate('{outside}', N, subsample=idx), idx=None for all the groups)."
+                )
+        calls = self._capture_plates(args, kwargs, drawn)
+
+        def summarise_block(blocks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            with self._summary_call(args, kwargs, blocks) as (call_args, call_kwargs):
+                return summarise(call_args, call_kwargs)
+
+        return self._join_blocks({n: calls[n] for n in drawn}, summarise_block)
 
     def _level_moments(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         means: dict[str, torch.Tensor] = {}
@@ -1399,7 +1455,7 @@ class AutoBranchGuide(HierarchicalGuide):
         """Constrained values at the mean of q in unconstrained space (the posterior median there), full size; with
         conjugate levels, the coordinatewise median of ``num_summary_samples`` draws."""
         self._require_setup(*args, **kwargs)
-        if self._prior_reading_levels:
+        if self._prior_reading_levels or self._drawn_summary_plates(args, kwargs):
             return {name: value[0] for name, value in self.quantiles([0.5], *args, **kwargs).items()}
         moments = self.level_moments(*args, **kwargs)
         return {
@@ -1422,8 +1478,13 @@ class AutoBranchGuide(HierarchicalGuide):
         if self._prior_reading_levels:
             # levels below a conjugate one have no closed-form marginal: draws, on the model's call on all the data;
             # the levels above every conjugate one (the globals) keep their exact quantiles
-            with self._summary_call(args, kwargs) as (call_args, call_kwargs):
-                result = super().quantiles(quantiles, *call_args, **call_kwargs)
+            result = self._summary_blocks(
+                args,
+                kwargs,
+                lambda call_args, call_kwargs: super(AutoBranchGuide, self).quantiles(
+                    quantiles, *call_args, **call_kwargs
+                ),
+            )
             for level in self.levels:
                 if not level.plates and level.name not in self._prior_reading_levels:
                     loc, _, scale = self._level_params(level, None)
@@ -1431,6 +1492,14 @@ class AutoBranchGuide(HierarchicalGuide):
                     sd = cov if self._is_diagonal(level) else cov.diagonal(dim1=-2, dim2=-1)
                     result.update(self._gaussian_quantiles(level, quantiles, loc, sd.sqrt()))
             return result
+        if self._drawn_summary_plates(args, kwargs):  # q reads the call's data: the groups block by block
+            return self._summary_blocks(
+                args, kwargs, lambda call_args, call_kwargs: self._moment_quantiles(quantiles, call_args, call_kwargs)
+            )
+        return self._moment_quantiles(quantiles, args, kwargs)
+
+    def _moment_quantiles(self, quantiles: list[float] | torch.Tensor, args: tuple, kwargs: dict) -> dict:
+        """Quantiles of the Gaussian marginals of :meth:`level_moments`."""
         moments = self.level_moments(*args, **kwargs)
         result = {}
         for level in self.levels:

@@ -733,7 +733,8 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             with keep_random_state():
                 calls = capture_plates(_ForceSubsamples(forced)(self.model), args, kwargs)
         subsampled = [c for c in calls.values() if c.subsampled]
-        if subsampled and all(c.user_indices for c in subsampled):
+        blocks = self._summary_subsamples or {}  # (Pyro's random subsample, replayed block by block)
+        if subsampled and all(c.user_indices and c.name not in blocks for c in subsampled):
             return self._minibatch_expansions(args, kwargs, calls, reference)
         try:
             with keep_random_state():
@@ -991,6 +992,24 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             for param, data in zip(live, saved, strict=True):
                 param.data = data
 
+    @torch.no_grad()
+    def quantiles(self, quantiles: list[float] | torch.Tensor, *args, **kwargs) -> dict[str, torch.Tensor]:
+        """Quantiles of ``num_summary_samples`` draws of q, for every element of the plates. Where the model draws a
+        plate's subsample at random (``subsample_size=B``), which Pyro cannot open in full, they are taken on blocks
+        of ``B`` elements and joined (:meth:`~pyro_hier.guides.base.HierarchicalGuide._join_blocks`)."""
+        self._require_setup(*args, **kwargs)
+        with keep_random_state():
+            calls = capture_plates(self.model, args, kwargs)
+        drawn = {n: c for n, c in calls.items() if c.subsampled and not c.user_indices}
+        if not drawn or self.master is not None:  # (in an AutoGuideList the list opens the plates)
+            return super().quantiles(quantiles, *args, **kwargs)
+
+        def summarise(blocks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            with self._replaying(blocks):
+                return super(AutoPlateAmortizedFlow, self).quantiles(quantiles, *args, **kwargs)
+
+        return self._join_blocks(drawn, summarise)
+
     def _covariates(self, args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
         assert self.structure is not None
         return call_local_features(self.local_features, args, kwargs, list(self.structure.observed))
@@ -1003,6 +1022,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         # in an AutoGuideList the list has opened (and recorded) the plates: use their indices, record them once
         listed = {} if self.master is None else dict(getattr(self.master(), "plates", None) or {})
         forced = {name: plate.indices for name, plate in listed.items()}
+        forced.update(self._summary_subsamples or {})  # (summaries block by block: plates Pyro subsamples at random)
         observations, calls, covariates, gathers, data = None, None, {}, None, {}
         if self.encoder_kind == "deepset":
             calls, observations = capture_observations(_ForceSubsamples(forced)(self.model), args, kwargs)

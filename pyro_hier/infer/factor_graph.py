@@ -45,6 +45,7 @@ from pyro.poutine.subsample_messenger import _Subsample
 from pyro_hier.errors import StructureError
 from pyro_hier.gathers import keep_random_state
 from pyro_hier.infer.gathered import GatheredPlates, SegmentSum, find_gathered_plates
+from pyro_hier.plates import ReplaySubsamples
 from pyro_hier.structure import LatentSite, ModelStructure, PlateInfo, inspect_model
 
 __all__ = ["Factor", "FactorGraph", "IndexVariable", "SiteSamples", "TensorTooLargeError", "build_factor_graph"]
@@ -612,18 +613,6 @@ def _run_guide(guide: Callable, args: tuple, kwargs: dict, K: int, P: int, fixed
     return {"sites": sites, "groups": groups, "subsamples": subsamples}
 
 
-class _GivenSubsamples(Messenger):
-    """Opens the listed plates with these indices when the model does not choose its own."""
-
-    def __init__(self, subsamples: dict[str, torch.Tensor]) -> None:
-        super().__init__()
-        self.subsamples = subsamples
-
-    def _pyro_sample(self, msg) -> None:
-        if isinstance(msg["fn"], _Subsample) and msg["value"] is None and msg["name"] in self.subsamples:
-            msg["value"] = self.subsamples[msg["name"]]
-
-
 def _subsamples(structure: ModelStructure) -> dict[str, torch.Tensor]:
     """The indices every plate used in the structure's call."""
     return {
@@ -642,7 +631,7 @@ def describe_call(
     if subsamples:
 
         def described(*a, **k):
-            with _GivenSubsamples(subsamples):
+            with ReplaySubsamples(subsamples):
                 return model(*a, **k)
 
     else:

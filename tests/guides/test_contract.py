@@ -762,9 +762,42 @@ def test_a_subsample_pyro_draws_at_random_is_read_anew_on_every_call(name):
     seen = {tuple(poutine.trace(guide).get_trace(y).nodes["groups"]["value"].tolist()) for _ in range(8)}
     assert len(seen) > 1
     assert Predictive(random_subsample_model, guide=guide, num_samples=2)(y)["z"].shape == (2, 3, 1)
-    if name.startswith("branch") or name in AMORTIZED_CONJUGATE:  # summaries need the plate in full: Pyro refuses
-        with pytest.raises(StructureError, match=r"plate 'groups' in full.*subsample_size="):
-            guide.median(y)
+    assert guide.median(y)["z"].shape == (GROUPS, 1)  # every group (conjugate guides: block by block)
+    assert guide.quantiles([0.25, 0.75], y)["z"].shape == (2, GROUPS, 1)
+
+
+def given_subsample_model(y, subsample=None):
+    """:func:`random_subsample_model` with the indices passed in (``None``: every group)."""
+    mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+    with pyro.plate("groups", GROUPS, subsample=subsample, dim=-2) as i:
+        z = pyro.sample("z", dist.Normal(mu, 1.0))
+        with pyro.plate("obs", OBS, dim=-1):
+            pyro.sample("y", dist.Normal(z, 1.0), obs=y[i])
+
+
+@pytest.mark.parametrize("name", ["branch-dense", "amortized-dense", "amortized-paper"])
+def test_summaries_of_a_plate_pyro_subsamples_at_random_are_taken_block_by_block(name):
+    """Where Pyro draws the subsample at random (``subsample_size=3`` of 6 groups) it cannot open the plate in full,
+    so the guides whose q of the groups reads the call's data take median and quantiles on blocks of 3 groups and join
+    them: the same as the same parameters give on the model that opens all 6 groups (closed form: equal to rounding;
+    from draws of the conjugate conditional: within 5 Monte Carlo sds of a quantile of 2,000 draws)."""
+    y = toy_data()
+    # (the branch default's units depend on the first call's subsample: one family for both)
+    kw = {"mean_units": False} if name.startswith("branch") else {}
+    guide = GUIDES[name](random_subsample_model, **kw)
+    fit(guide, random_subsample_model, y, steps=20)
+    full = GUIDES[name](given_subsample_model, **kw)
+    full(y)
+    full.load_state_dict(guide.state_dict())
+    guide.num_summary_samples = full.num_summary_samples = 2000
+    probs = [0.25, 0.5, 0.75]
+    blocks, whole = guide.quantiles(probs, y), full.quantiles(probs, y)
+    sd = (whole["z"][2] - whole["z"][0]) / 1.349
+    mc = 1.4 * sd * (2 / 2000) ** 0.5  # sd of the difference of two quartile estimates (sqrt(p(1-p))/phi <= 1.4)
+    assert blocks["z"].shape == whole["z"].shape == (3, GROUPS, 1)
+    torch.testing.assert_close(blocks["mu"], whole["mu"])
+    assert ((blocks["z"] - whole["z"]).abs() <= 5 * mc + 1e-6).all()
+    torch.testing.assert_close(guide.median(y)["z"], blocks["z"][1])  # (the same draws)
 
 
 #: guides without torch networks: Pyro's SVI cannot step a ``PyroModule[nn.Linear]``'s weights under
