@@ -104,8 +104,9 @@ def posterior_errors(
         v = samples[name].double()
         mean = v.mean(0).reshape(ref.mean.shape)
         sd = v.std(0).reshape(ref.sd.shape)
-        errs.append(((mean - ref.mean.double()).abs() / ref.sd.double()).flatten())
-        ratios.append((sd / ref.sd.double()).flatten())
+        varies = ref.sd > 0  # (elements fixed under the posterior, e.g. a Cholesky factor's corner, are not scored)
+        errs.append(((mean - ref.mean.double()).abs() / ref.sd.double())[varies])
+        ratios.append((sd / ref.sd.double())[varies])
     e, r = torch.cat(errs), torch.cat(ratios)
     return float(e.max()), float(e.mean()), float(r.min()), float(r.max())
 

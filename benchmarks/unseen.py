@@ -1,0 +1,207 @@
+"""Drop-in accuracy on models the guides were never tuned on, written the way users write them.
+
+``dropin.py`` measures the defaults on the problems the project ships. A user brings other models; this script
+measures the same loop on three that none of the guides was developed against, each written as a Pyro user would
+(a flat plate of observations gathering group effects by index, a count or a binary likelihood, a correlated pair of
+effects with an LKJ prior), on synthetic data of a fixed seed, against a reference computed here by Pyro's NUTS:
+
+- ``poisson``: counts ``y_i ~ Poisson(exp(a[g_i] + b·x_i))``, ``a_g ~ N(mu, sigma)``, 40 groups of 1–30
+  observations (``sigma ~ HalfNormal(1)``);
+- ``binomial``: one binomial count per group (rats-tumour-like), ``y_g ~ Binomial(n_g, logit⁻¹ θ_g)``,
+  ``θ_g ~ N(mu, tau)``, 70 groups of 10–50 trials, ``tau ~ HalfCauchy(1)`` (centred, with one observation per group:
+  the funnel-prone shape of eight schools, with a non-Gaussian likelihood);
+- ``slopes``: varying intercepts and slopes, ``y_i ~ N(a[g_i] + b[g_i]·x_i, s)``, ``(a_g, b_g) ~ MVN(m, diag(τ) L Lᵀ
+  diag(τ))``, ``L ~ LKJCholesky(2, 2)``, 30 groups of 2–20 observations.
+
+The loop is ``dropin.py``'s (``ClippedAdam`` at ``--lr`` decaying tenfold over ``--steps``, ``Trace_ELBO``, one
+particle, ``--draws`` draws of ``Predictive``), every guide built as ``Guide(model)``. Printed per problem and
+guide: the max and mean over every latent element of ``|E_q − E_ref| / sd_ref``, the range of ``sd_q / sd_ref``,
+CPU seconds. The reference is NUTS (Pyro, JIT) with ``--ref-warmup`` warm-up and ``--ref-draws`` draws; its own
+Monte Carlo error (batch means) is printed beside it, so an error below about three times that is not resolved.
+
+Usage::
+
+    python benchmarks/unseen.py --seeds 0                 # every problem and guide, one seed
+    python benchmarks/unseen.py --problems binomial --guides AutoNormal AutoBranchGuide --seeds 0 1 2
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import pyro
+import pyro.distributions as dist
+import torch
+from pyro.infer import MCMC, NUTS
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dropin import GUIDES, fit_svi, machine
+
+from pyro_hier.problems.base import Moments, Problem
+
+
+def _groups(gen: torch.Generator, num_groups: int, low: int, high: int) -> torch.Tensor:
+    sizes = torch.randint(low, high + 1, (num_groups,), generator=gen)
+    return torch.repeat_interleave(torch.arange(num_groups), sizes)
+
+
+def poisson_problem() -> Problem:
+    gen = torch.Generator().manual_seed(11)
+    group = _groups(gen, 40, 1, 30)
+    x = torch.randn(len(group), generator=gen, dtype=torch.float64)
+    a = 0.5 + 0.6 * torch.randn(40, generator=gen, dtype=torch.float64)
+    y = torch.poisson(torch.exp(a[group] + 0.3 * x), generator=gen)
+
+    def model(x, group, y=None):
+        mu = pyro.sample("mu", dist.Normal(x.new_zeros(()), 2.0))
+        sigma = pyro.sample("sigma", dist.HalfNormal(x.new_ones(())))
+        b = pyro.sample("b", dist.Normal(x.new_zeros(()), 1.0))
+        with pyro.plate("groups", 40):
+            a = pyro.sample("a", dist.Normal(mu, sigma))
+        with pyro.plate("obs", len(x)):
+            pyro.sample("y", dist.Poisson(torch.exp(a[..., group] + b * x)), obs=y)
+
+    return Problem("poisson", model, (x, group, y))
+
+
+def binomial_problem() -> Problem:
+    gen = torch.Generator().manual_seed(12)
+    trials = torch.randint(10, 51, (70,), generator=gen).double()
+    theta = -1.5 + 0.7 * torch.randn(70, generator=gen, dtype=torch.float64)
+    y = torch.binomial(trials, torch.sigmoid(theta), generator=gen)
+
+    def model(trials, y=None):
+        mu = pyro.sample("mu", dist.Normal(trials.new_zeros(()), 2.0))
+        tau = pyro.sample("tau", dist.HalfCauchy(trials.new_ones(())))
+        with pyro.plate("groups", len(trials)):
+            theta = pyro.sample("theta", dist.Normal(mu, tau))
+            pyro.sample("y", dist.Binomial(trials, logits=theta), obs=y)
+
+    return Problem("binomial", model, (trials, y))
+
+
+def slopes_problem() -> Problem:
+    gen = torch.Generator().manual_seed(13)
+    group = _groups(gen, 30, 2, 20)
+    x = torch.randn(len(group), generator=gen, dtype=torch.float64)
+    corr = torch.tensor([[1.0, -0.5], [-0.5, 1.0]], dtype=torch.float64)
+    cov = (
+        torch.diag(torch.tensor([0.8, 0.4], dtype=torch.float64))
+        @ corr
+        @ torch.diag(torch.tensor([0.8, 0.4], dtype=torch.float64))
+    )
+    effects = torch.tensor([1.0, 0.5], dtype=torch.float64) + torch.randn(30, 2, generator=gen, dtype=torch.float64) @ (
+        torch.linalg.cholesky(cov).T
+    )
+    y = effects[group, 0] + effects[group, 1] * x + 0.5 * torch.randn(len(x), generator=gen, dtype=torch.float64)
+
+    def model(x, group, y=None):
+        m = pyro.sample("m", dist.Normal(x.new_zeros(2), 2.0).to_event(1))
+        tau = pyro.sample("tau", dist.HalfNormal(x.new_ones(2)).to_event(1))
+        chol = pyro.sample("L", dist.LKJCholesky(2, x.new_tensor(2.0)))
+        s = pyro.sample("s", dist.HalfNormal(x.new_ones(())))
+        scale_tril = tau[..., :, None] * chol
+        with pyro.plate("groups", 30):
+            ab = pyro.sample("ab", dist.MultivariateNormal(m.unsqueeze(-2), scale_tril=scale_tril.unsqueeze(-3)))
+        with pyro.plate("obs", len(x)):
+            pyro.sample("y", dist.Normal(ab[..., group, 0] + ab[..., group, 1] * x, s), obs=y)
+
+    return Problem("slopes", model, (x, group, y))
+
+
+PROBLEMS: dict[str, Callable[[], Problem]] = {
+    "poisson": poisson_problem,
+    "binomial": binomial_problem,
+    "slopes": slopes_problem,
+}
+DEFAULT_GUIDES = (
+    "AutoNormal",
+    "AutoHierarchicalNormalMessenger",
+    "AutoBranchGuide",
+    "AutoAmortizedBranchGuide",
+    "AutoPlateAmortizedFlow",
+    "AutoHierarchicalVM",
+)
+
+
+def nuts_reference(problem: Problem, warmup: int, draws: int, seed: int) -> tuple[dict[str, Moments], float, float]:
+    """Posterior means and sds of every latent site from Pyro's NUTS; the largest Monte Carlo error of a mean (in
+    posterior sds, from 20 batch means) and the CPU seconds."""
+    pyro.set_rng_seed(seed)
+    cpu = time.process_time()
+    mcmc = MCMC(
+        NUTS(problem.model, jit_compile=True, ignore_jit_warnings=True),
+        num_samples=draws,
+        warmup_steps=warmup,
+        disable_progbar=True,
+    )
+    mcmc.run(*problem.args, **problem.kwargs)
+    moments, mc = {}, 0.0
+    for name, v in mcmc.get_samples().items():
+        v = v.double()
+        sd = v.std(0)
+        moments[name] = Moments(v.mean(0), sd)
+        batches = v[: draws - draws % 20].reshape(20, -1, *v.shape[1:]).mean(1)
+        mc = max(mc, float((batches.std(0) / math.sqrt(20) / sd).max()))
+    return moments, mc, time.process_time() - cpu
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--problems", nargs="+", default=list(PROBLEMS), choices=list(PROBLEMS))
+    parser.add_argument("--guides", nargs="+", default=list(DEFAULT_GUIDES), choices=list(GUIDES))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--steps", type=int, default=5000)
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--draws", type=int, default=2000)
+    parser.add_argument("--ref-warmup", type=int, default=1000)
+    parser.add_argument("--ref-draws", type=int, default=6000)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    print(f"# {machine()}")
+    print(
+        f"# loop: ClippedAdam lr {args.lr} decaying x0.1 over {args.steps} steps, Trace_ELBO(), 1 particle; "
+        f"{args.draws} Predictive draws; seeds {args.seeds}; reference: Pyro NUTS {args.ref_warmup} warm-up + "
+        f"{args.ref_draws} draws"
+    )
+    print(
+        f"{'problem':10s} {'guide':34s} {'max err':>15s} {'mean err':>9s} {'sd ratio':>11s} {'cpu s':>7s}",
+        flush=True,
+    )
+    for name in args.problems:
+        problem = PROBLEMS[name]()
+        problem.moments, mc, cpu = nuts_reference(problem, args.ref_warmup, args.ref_draws, seed=1234)
+        print(f"{name:10s} {'(reference: NUTS)':34s} {'MC err ' + format(mc, '.3f'):>15s} {'':9s} {'':11s} {cpu:7.1f}")
+        for guide in args.guides:
+            rows = []
+            for seed in args.seeds:
+                try:
+                    rows.append(fit_svi(problem, GUIDES[guide], args.steps, args.lr, seed, args.draws))
+                except Exception as e:  # reported in the table: a user would see it
+                    print(f"{name:10s} {guide:34s} FAILED: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    rows = []
+                    break
+            if not rows:
+                continue
+            worst = max(r.max_err for r in rows)
+            med = statistics.median(r.max_err for r in rows)
+            cell = f"{worst:.3f}" if len(rows) == 1 else f"{worst:.3f} ({med:.3f})"
+            print(
+                f"{name:10s} {guide:34s} {cell:>15s} {statistics.median(r.mean_err for r in rows):9.3f} "
+                f"{min(r.sd_lo for r in rows):5.2f}–{max(r.sd_hi for r in rows):<5.2f} "
+                f"{statistics.median(r.cpu for r in rows):7.1f}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
