@@ -388,3 +388,81 @@ def test_translating_the_model_translates_the_fitted_guide():
     for name, offset in (("mu", 100.0), ("tau", 0.0), ("theta", 100.0)):
         assert torch.allclose(medians[1][name] - offset, medians[0][name], atol=1e-6), name
     assert min(moved) > 1e-3  # read again at q's centre, away from the init values
+
+
+def test_location_control_variate_keeps_the_gradient_and_cuts_its_noise(monkeypatch):
+    """The control variate of the plate level's λ locations (``_location_control_variate``) leaves the loss as it
+    is and the mean gradient too (zero-mean term), and takes the groups' own draw noise out of it. On this conjugate
+    model the slopes on ``mu`` and the conditional precision read from the model are exact, so the gradient is the
+    same for every draw: measured when written (40 draws), its sd went from order one to 1e-15 of what it was without
+    the term, and the means differed by 0.03-0.35 of the sd without it (Monte Carlo error of that mean: 0.16)."""
+    f64 = torch.float64
+    y = torch.tensor([0.3, -1.2, 2.0, 0.7, -0.4], dtype=f64)
+
+    def model():
+        mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=f64), 1.0))
+        with pyro.plate("groups", 5):
+            theta = pyro.sample("theta", dist.Normal(mu, 1.0))
+            pyro.sample("y", dist.Normal(theta, 0.2), obs=y)
+
+    def gradients(on: bool) -> tuple[torch.Tensor, list[float]]:
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        guide = AutoHierarchicalVM(model)
+        elbo = Trace_ELBO()
+        elbo.loss(model, guide)  # set up
+        assert "precisions" in dict(guide.named_children())
+        if not on:
+            monkeypatch.setattr(guide, "_location_control_variate", lambda *a, **k: None)
+        level = next(lv for lv in guide.levels if lv.plates)
+        locs = guide.prior_params.get_parameter(f"{level.key}_locs_unconstrained")
+        grads, losses = [], []
+        for i in range(40):
+            pyro.set_rng_seed(i)
+            locs.grad = None
+            losses.append(elbo.loss_and_grads(model, guide))
+            grads.append(locs.grad.reshape(-1)[0::2].clone())  # λ₁ (location of theta), not λ₂ (its log-sd)
+        monkeypatch.undo()
+        return torch.stack(grads), losses
+
+    with_cv, loss_cv = gradients(True)
+    without, loss = gradients(False)
+    assert loss_cv == pytest.approx(loss, rel=1e-12)  # the term's value is zero, draw by draw
+    sd_cv, sd = with_cv.std(0), without.std(0)
+    assert (sd_cv < 1e-6 * sd).all(), (sd_cv, sd)
+    assert ((with_cv.mean(0) - without.mean(0)).abs() < 4 * sd / math.sqrt(40)).all()
+
+
+def test_control_variate_precisions_are_saved_state_read_again_with_the_slopes():
+    """The conditional precisions of the control variate are gradient-free state: refreshed with the slopes (at
+    q's centre), carried by ``state_dict`` and pickling, and left out of the optimised parameters."""
+    import io
+
+    y = torch.tensor([0.3, -1.2, 2.0, 0.7, -0.4])
+
+    def model():
+        mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+        tau = pyro.sample("tau", dist.LogNormal(0.0, 1.0))
+        with pyro.plate("groups", 5):
+            theta = pyro.sample("theta", dist.Normal(mu, tau))
+            pyro.sample("y", dist.Normal(theta, 0.5), obs=y)
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoHierarchicalVM(model)
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.05}), Trace_ELBO())
+    svi.step()
+    key = "precisions.theta_precision_unconstrained"
+    first = guide.state_parameters()[key].detach().clone()
+    assert first.dtype == torch.float32 and first.shape == (5, 1) and (first > 0).all()
+    for _ in range(40):
+        svi.step()
+    now = guide.state_parameters()[key].detach().clone()
+    assert not torch.equal(now, first)  # read again at q's centre
+    assert guide.state_parameters()[key].grad is None
+    state = guide.state_dict()
+    assert torch.equal(state[key], now)
+    buffer = io.BytesIO()
+    torch.save(guide, buffer)
+    loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+    assert torch.equal(loaded.state_parameters()[key], now)
