@@ -313,7 +313,8 @@ def run_svi(
     sync(device)
     first_call = opts.clock() - t0
     optim = pyro_hier.optim.ClippedAdam({"lr": lr, "clip_norm": 10.0})
-    svi = SVI(data.model, guide, optim, JitTrace_ELBO(ignore_jit_warnings=True) if opts.jit else Trace_ELBO())
+    jit = compiled(opts, data.kind)
+    svi = SVI(data.model, guide, optim, JitTrace_ELBO(ignore_jit_warnings=True) if jit else Trace_ELBO())
     gen = torch.Generator().manual_seed(opts.seed)
     perm, pos = torch.randperm(N, generator=gen), 0
     elapsed, wall, steps = first_call, time.perf_counter() - w0, 0
@@ -452,6 +453,19 @@ class SuffixAverage:
 
 #: checkpoints per doubling of the elapsed time (geometric, ratio 2 ** (1 / 5) ≈ 1.15)
 CHECKPOINTS_PER_DOUBLING = 5
+
+
+ELBO_NAMES = {True: "JitTrace_ELBO", False: "Trace_ELBO", None: "JitTrace_ELBO (the logistic problem: Trace_ELBO)"}
+
+
+def compiled(opts: argparse.Namespace, problem: str) -> bool:
+    """Whether SVI runs under ``JitTrace_ELBO``: ``--jit``/``--no-jit`` when given, else JIT on the regression and
+    eager ``Trace_ELBO`` on the logistic problem. A compiled step runs no Python, so the default branch guide's
+    conjugate references are held from the first call there; on the logistic problem its smoothed steps (each group's
+    pseudo-observation set to the likelihood's expansion averaged over q, ``smoothed_expansion=True``) run on those
+    redos, so it is trained as a plain loop does, eagerly (2026-11-27, 10^3 groups: 0.1 sd in 4.6 CPU s eager; the
+    eager step about 1.3x the compiled one)."""
+    return opts.jit if opts.jit is not None else problem != "logistic"
 
 
 def default_batch(name: str, N: int) -> int:
@@ -884,8 +898,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--jit",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="SVI with JitTrace_ELBO (default; --no-jit: Trace_ELBO), the guide and AutoNormal alike",
+        default=None,
+        help="SVI with JitTrace_ELBO (--no-jit: Trace_ELBO), the guide and AutoNormal alike; default: JIT on the\n"
+        "regression, Trace_ELBO on the logistic problem (see compiled())",
     )
     p.add_argument(
         "--batch",
@@ -984,7 +999,7 @@ def main(argv: list[str] | None = None) -> list[Run]:
         f"machine:  {machine()}",
         f"software: {versions}; torch threads {torch.get_num_threads()}, XLA_FLAGS={os.environ.get('XLA_FLAGS')}; "
         f"device {opts.device}; clock: {opts.clock_name}; SVI: "
-        f"{'JitTrace_ELBO' if opts.jit else 'Trace_ELBO'}, pyro_hier.optim.ClippedAdam (lr x{opts.lr_final:g} over "
+        f"{ELBO_NAMES[opts.jit]}, pyro_hier.optim.ClippedAdam (lr x{opts.lr_final:g} over "
         "the budget)",
         f"load average at the start: {os.getloadavg()}",
     ]
