@@ -24,6 +24,7 @@ from pyro_hier.conjugate import (
     precision_to_scale_tril,
     pseudo_observation,
     rebase,
+    smoothed_expansion,
 )
 from pyro_hier.optim import tail_average_update
 
@@ -245,3 +246,32 @@ def test_gaussian_log_normaliser_is_the_marginal_of_the_pseudo_observation(diago
     got = log_z - 0.5 * quad + 0.5 * log_det - 0.5 * d * math.log(2 * math.pi)
     want = torch.distributions.MultivariateNormal(m, cov).log_prob(t)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_smoothed_expansion_is_exact_for_a_cubic_rest(dense):
+    """smoothed_expansion's 2d-point cubature and Stein curvature give E_q[g] and E_q[F] exactly for a rest whose
+    log density is cubic (its gradient quadratic): g(u) = b - A u + c (u_0)^2 e_0, so E[g] = b - A m + c (m_0^2 +
+    S_00) e_0 and E[F] = A - 2 c m_0 e_0 e_0^T; a quadratic rest (c = 0) gives its own expansion at any point."""
+    g = torch.Generator().manual_seed(3)
+    d, c = 3, 0.7
+    a = torch.randn(4, d, d, generator=g, dtype=torch.float64)
+    A = a @ a.mT + torch.eye(d, dtype=torch.float64)
+    b, m = (torch.randn(4, d, generator=g, dtype=torch.float64) for _ in range(2))
+    if dense:
+        s = torch.linalg.cholesky(torch.linalg.inv(A + torch.eye(d, dtype=torch.float64)))
+        var0 = s.pow(2).sum(-1)[..., 0]
+    else:
+        s = torch.rand(4, d, generator=g, dtype=torch.float64) + 0.2
+        A = torch.diag_embed(A.diagonal(dim1=-2, dim2=-1))
+        var0 = s[..., 0].pow(2)
+    e0 = torch.zeros(d, dtype=torch.float64)
+    e0[0] = 1.0
+
+    def rest_gradient(u):
+        return b - (A @ u.unsqueeze(-1)).squeeze(-1) + c * u[..., :1].pow(2) * e0
+
+    expected_gradient, expected_curvature = smoothed_expansion(rest_gradient, m, s)
+    torch.testing.assert_close(expected_gradient, rest_gradient(m) + c * var0.unsqueeze(-1) * e0)
+    exact = A - 2 * c * m[..., 0, None, None] * (e0.unsqueeze(-1) * e0)
+    torch.testing.assert_close(expected_curvature, exact if dense else exact.diagonal(dim1=-2, dim2=-1))

@@ -19,11 +19,10 @@ from torch.distributions import constraints
 from pyro_hier.conjugate import (
     Unobserved,
     capture_priors,
+    conditional_mode,
     gaussian_log_normaliser,
     gaussian_update,
-    line_searched_mean,
     precision_to_scale_tril,
-    psd_root,
     pseudo_observation,
 )
 from pyro_hier.distributions import StickingTheLanding
@@ -1019,7 +1018,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         r"""Move a leaf level's expansion point from its prior conditional's mean towards the mode of its conditional
         posterior at the globals' mean, :math:`\log p(u_i \mid \bar\theta) + \log p(y_i \mid u_i, \bar\theta)`:
         up to :data:`EXPANSION_NEWTON_STEPS` line-searched Newton steps
-        (:func:`~pyro_hier.conjugate.line_searched_mean`), stopped once no element moves by more than
+        (:func:`~pyro_hier.conjugate.conditional_mode`), stopped once no element moves by more than
         :data:`EXPANSION_NEWTON_TOLERANCE` of its prior sds. Where the likelihood is Gaussian in the level the
         expansion is the same at every point and no step is taken (checked once: the curvature one unit away). Returns
         ``(centre, gradient, curvature)`` at the last point: the expansion there is the likelihood's Laplace
@@ -1033,21 +1032,17 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             return centre, gradient, curvature
         prior = self._level_prior(level, {s: self._prior_fns[s] for s in level.sites})
         p0 = prior.precision if prior.diagonal else prior.precision.diagonal(dim1=-2, dim2=-1)
-        floor = CURVATURE_FLOOR * p0
-        for _ in range(EXPANSION_NEWTON_STEPS):
-            root = (
-                curvature.diagonal(dim1=-2, dim2=-1).clamp(min=floor).sqrt()
-                if self._is_diagonal(level) or level.numel == 1
-                else psd_root(curvature, floor)
-            )
-            target = line_searched_mean(prior, centre, gradient, root, lambda u: expand(values, u, curvature=False)[0])
-            target = torch.where(torch.isfinite(target), target, centre)
-            step = ((target - centre).abs() * p0.sqrt()).amax()
-            centre = target
-            gradient, curvature = expand(values, centre)
-            if float(step) < (EXPANSION_NEWTON_TOLERANCE if centre.dtype == torch.float64 else 1e-3):
-                break
-        return centre, gradient, curvature
+        return conditional_mode(
+            prior,
+            centre,
+            gradient,
+            curvature,
+            lambda u, curvature=True: expand(values, u, curvature=curvature),
+            CURVATURE_FLOOR * p0,
+            self._is_diagonal(level),
+            EXPANSION_NEWTON_STEPS,
+            EXPANSION_NEWTON_TOLERANCE if centre.dtype == torch.float64 else 1e-3,
+        )
 
     def _children_integrated(self, level: PlateLevel, made: dict) -> Callable | None:
         r"""For an expanded level with levels below it, the ``collapse`` of

@@ -515,3 +515,79 @@ def test_references_that_do_not_move_are_redone_less_often():
     # after longer and longer waits
     assert [k for k in range(1, 56) if refreshes[k] > refreshes[k - 1]] == [10, 25, 55]
     assert bool((guide.references.users__backoff.detach() >= 2).all())
+
+
+def test_smoothed_steps_take_logistic_groups_to_their_gaussian_optimum():
+    """Groups with logistic observations (1-D effects, 10 observations each, N(0, 1) priors): smoothed steps
+    (``smoothed_expansion=True``; the default takes them on minibatches of groups) start each group at its
+    conditional mode and set its pseudo-observation to the likelihood's expansion averaged over q, so that after the
+    first call its mean is near the optimum of the ELBO over Gaussians (computed here by 80-point Gauss-Hermite and
+    L-BFGS); the previous start (one line-searched Newton step from 0, ``smoothed_expansion=False``) is far from it,
+    and Adam's one-particle steps leave it far. Measured (float64, seed 0), max over the 20 groups in the optimum's
+    sds: smoothed 0.088 after the first call, 0.140 after 20 steps (full steps cycle between 0.09 and 0.14 on groups
+    this skewed: see SMOOTHED_STEP; the cubature is exact to degree 3); without 1.22 and 0.89; the Laplace mode itself
+    is 0.41 off the optimum. In eager training the level's parameters get no gradient (the smoothed steps set them)."""
+    dtype = torch.float64
+
+    def model(x, y):
+        with pyro.plate("groups", x.shape[0], dim=-2):
+            z = pyro.sample("z", dist.Normal(torch.zeros((), dtype=dtype), 1.0))
+            with pyro.plate("obs", x.shape[1], dim=-1):
+                pyro.sample("y", dist.Bernoulli(logits=x * z), obs=y)
+
+    g = torch.Generator().manual_seed(0)
+    x = 2 * torch.randn(20, 10, generator=g, dtype=dtype)
+    y = torch.bernoulli(torch.sigmoid(x * (torch.randn(20, 1, generator=g, dtype=dtype) + 1.0)), generator=g)
+    nodes, weights = (torch.tensor(t, dtype=dtype) for t in __import__("numpy").polynomial.hermite_e.hermegauss(80))
+    weights = weights / weights.sum()
+    loc, log_sd = torch.zeros(20, dtype=dtype, requires_grad=True), torch.zeros(20, dtype=dtype, requires_grad=True)
+    lbfgs = torch.optim.LBFGS([loc, log_sd], max_iter=500, tolerance_grad=1e-12, line_search_fn="strong_wolfe")
+
+    def negative_elbo():
+        lbfgs.zero_grad()
+        z = loc.unsqueeze(-1) + log_sd.exp().unsqueeze(-1) * nodes
+        logits = x.unsqueeze(-1) * z.unsqueeze(1)
+        loglik = (y.unsqueeze(-1) * logits - torch.nn.functional.softplus(logits)).sum(1)
+        loss = -((weights * (loglik - 0.5 * z.pow(2))).sum(-1) + log_sd).sum()
+        loss.backward()
+        return loss
+
+    lbfgs.step(negative_elbo)
+    optimum, sd = loc.detach(), log_sd.detach().exp()
+    errors = {}
+    for smoothed in (True, False):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        guide = AutoBranchGuide(model, smoothed_expansion=smoothed)
+        guide(x, y)
+        first = guide.level_moments(x, y)["groups"][0].reshape(-1)
+        svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.01}), Trace_ELBO())
+        svi.step(x, y)
+        assert (guide.locs.groups.grad is None) == smoothed
+        for _ in range(19):
+            svi.step(x, y)
+        last = guide.level_moments(x, y)["groups"][0].reshape(-1)
+        errors[smoothed] = [float(((m - optimum).abs() / sd).max()) for m in (first, last)]
+    assert max(errors[True]) < 0.16, errors
+    assert min(errors[False]) > 0.4, errors
+
+
+def test_compiled_steps_warn_that_smoothed_levels_are_held():
+    """A compiled step (JitTrace_ELBO) runs no Python, so the smoothed steps of a level with logistic observations
+    cannot run there: tracing it warns once, naming the level and Trace_ELBO."""
+
+    def model(x, y):
+        with pyro.plate("groups", x.shape[0], dim=-2):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            with pyro.plate("obs", x.shape[1], dim=-1):
+                pyro.sample("y", dist.Bernoulli(logits=x * z), obs=y)
+
+    x = torch.randn(6, 5, generator=torch.Generator().manual_seed(0))
+    y = (x > 0).float()
+    pyro.clear_param_store()
+    guide = AutoBranchGuide(model, smoothed_expansion=True)
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.01}), JitTrace_ELBO(ignore_jit_warnings=True))
+    with pytest.warns(RuntimeWarning, match=r"\['groups'\].*Trace_ELBO") as record:
+        for _ in range(3):
+            svi.step(x, y)
+    assert sum("smoothed steps" in str(w.message) for w in record) == 1
