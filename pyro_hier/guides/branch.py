@@ -486,7 +486,7 @@ class AutoBranchGuide(HierarchicalGuide):
         return self._is_diagonal(level) or level.numel == 1
 
     def _reference(self, level: PlateLevel, key: str, plates: dict | None, event_dim: int) -> torch.Tensor:
-        value = getattr(self.references, f"{level.name}__{key}").detach()
+        value = self._param(self.references, f"{level.name}__{key}").detach()
         if plates is None:
             return value
         return select_elements(value, element_selection(plates, level.plates, level.dims), event_dim)
@@ -496,9 +496,26 @@ class AutoBranchGuide(HierarchicalGuide):
     ) -> None:
         """Write ``value`` (the call's elements) into the full-size parameter ``params.key`` at the call's elements,
         in place and without gradient (references, and conjugate levels' parameters on a new reference)."""
-        buffer = _state_tensor(getattr(params, key))
+        buffer = _state_tensor(self._param(params, key))
         index = _element_index(buffer, element_selection(plates, level.plates, level.dims), event_dim)
         buffer[index] = value.to(buffer.dtype).expand(buffer[index].shape)
+
+    #: during a call of the guide: its parameters as read through Pyro on this call (see :meth:`_param`)
+    _call_cache: dict | None = None
+
+    def _param(self, params: PyroModule, key: str) -> torch.Tensor:
+        """``params.<key>``, read through Pyro (``pyro.param``: the param store's tensor, recorded by the handlers) on
+        its first read in a call of the guide, and the same tensor on later reads in that call: each read is otherwise
+        another ``pyro.param`` statement through every handler (62 a training step on the three-level model before;
+        the parameters are not replaced during a call, and in-place writes go to the same tensor)."""
+        cache = self._call_cache
+        if cache is None:
+            return getattr(params, key)
+        entry = (id(params), key)
+        value = cache.get(entry)
+        if value is None:
+            value = cache[entry] = getattr(params, key)
+        return value
 
     def _training(self) -> bool:
         return torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
@@ -528,7 +545,7 @@ class AutoBranchGuide(HierarchicalGuide):
         for level in self.levels:
             centre = self._level_mean(level, plates).detach()
             if level is self._global_level and self._use_average():
-                centre = self.averages.loc.detach()
+                centre = self._param(self.averages, "loc").detach()
             centres[level.name] = centre
             values.update(self._level_values(level, centre))
         subsamples = plate_indices(plates)
@@ -606,7 +623,7 @@ class AutoBranchGuide(HierarchicalGuide):
             if set(level.plates) & set(getattr(self, "drawn_plates", ())):
                 continue
             subsampled = any(_subsample_size(plates[p]) < self.structure.plates[p].size for p in level.plates)
-            if subsampled and bool((getattr(self.references, f"{name}__visits").detach() < 0).any()):
+            if subsampled and bool((self._param(self.references, f"{name}__visits").detach() < 0).any()):
                 return True
         return False
 
@@ -866,7 +883,7 @@ class AutoBranchGuide(HierarchicalGuide):
     ) -> torch.Tensor:
         """The level's parameter in ``params``, cut to the elements of ``plates`` (full size for ``None``). Read it
         outside the plates: inside, Pyro's plates would slice it too."""
-        value = getattr(params, level.name)
+        value = self._param(params, level.name)
         if plates is None or not level.plates:
             return value
         return select_elements(value, element_selection(plates, level.plates, level.dims), event_dim)
@@ -887,7 +904,7 @@ class AutoBranchGuide(HierarchicalGuide):
         diagonal = self._is_diagonal(level)
         raw = self._element_param(self.scales if diagonal else self.scale_trils, level, plates, 1 if diagonal else 2)
         if level is self._global_level and self._use_average():
-            loc, raw = self.averages.loc.detach(), self.averages.scale.detach()
+            loc, raw = self._param(self.averages, "loc").detach(), self._param(self.averages, "scale").detach()
         if self._is_diagonal(level):
             scale = positive(raw)
         else:
@@ -978,17 +995,28 @@ class AutoBranchGuide(HierarchicalGuide):
         plates = self._create_plates(*args, **kwargs)
         values: dict[str, torch.Tensor] = {}
         result: dict[str, torch.Tensor] = {}
-        outer = self._gathers
-        if self._gathers is None:  # (the amortized guide has found this call's already)
-            self._gathers = self._call_gathers(args, kwargs, plates)
-        training = self._training()
-        if training:
-            self._attach_hooks()
-        if self.conjugate_levels and not torch.jit.is_tracing():  # (JIT: made by Pyro's first, untraced run; held)
-            if self._lacks_references(plates):  # a minibatch first: every group's reference at once, from all the data
-                with poutine.block(), self._summary_call(args, kwargs) as (full_args, full_kwargs):
-                    self._refresh_references(full_args, full_kwargs, self._full_plates(), training=False)
-            self._refresh_references(args, kwargs, plates, training)
+        outer, outer_cache = self._gathers, self._call_cache
+        self._call_cache = {}
+        try:
+            if self._gathers is None:  # (the amortized guide has found this call's already)
+                self._gathers = self._call_gathers(args, kwargs, plates)
+            training = self._training()
+            if training:
+                self._attach_hooks()
+            if self.conjugate_levels and not torch.jit.is_tracing():  # (JIT: made by Pyro's first, untraced run; held)
+                if self._lacks_references(plates):  # a minibatch first: every group's reference, from all the data
+                    with poutine.block(), self._summary_call(args, kwargs) as (full_args, full_kwargs):
+                        self._refresh_references(full_args, full_kwargs, self._full_plates(), training=False)
+                    self._call_cache = {}  # (read there hidden from the handlers: read again where they see them)
+                self._refresh_references(args, kwargs, plates, training)
+            return self._sample_levels(args, kwargs, plates, values, result, training)
+        finally:
+            self._gathers, self._call_cache = outer, outer_cache
+
+    def _sample_levels(
+        self, args: tuple, kwargs: dict, plates: dict, values: dict, result: dict, training: bool
+    ) -> dict[str, torch.Tensor]:
+        """Draw the levels in order (``values``: unconstrained by level, ``result``: constrained by site, filled in)."""
         terms = []
         # with the control variate on this call, what is left of the globals' gradient noise is their own draw's:
         # sticking the landing takes it out where q of the globals matches their posterior (default None: here only)
@@ -1009,7 +1037,6 @@ class AutoBranchGuide(HierarchicalGuide):
                 if training and self._control_variate_applies(level, plates, values):
                     terms.append(self._control_variate_term(level, q, args, kwargs, values, result, plates))
         finally:
-            self._gathers = outer
             self._globals_stick = False
         if terms:  # zero-valued: only the globals' gradient moves (q's log density, and so the ELBO, unchanged)
             pyro.factor(f"_{self._pyro_name}_control_variate", sum(terms), has_rsample=True)
@@ -1061,7 +1088,7 @@ class AutoBranchGuide(HierarchicalGuide):
         assert glob is not None and self.structure is not None
         u_g = values[glob.name]
         table, points, secant = (
-            _state_tensor(getattr(self.references, f"{level.name}__cv_{key}"))
+            _state_tensor(self._param(self.references, f"{level.name}__cv_{key}"))
             for key in ("gradient", "point", "secant")
         )
         selection = element_selection(plates, level.plates, level.dims)
@@ -1171,7 +1198,7 @@ class AutoBranchGuide(HierarchicalGuide):
         assert self._global_level is not None
         name = self._global_level.name
         raw = self.scales if self._is_diagonal(self._global_level) else self.scale_trils
-        return {"loc": getattr(self.locs, name), "scale": getattr(raw, name)}
+        return {"loc": self._param(self.locs, name), "scale": self._param(raw, name)}
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
@@ -1230,10 +1257,10 @@ class AutoBranchGuide(HierarchicalGuide):
         """Outside training (``Predictive``, ``median``, ``quantiles``, any call without gradients) the global level
         uses the tail average of its parameters instead of the last iterate."""
         return (
-            self._global_level is not None
-            and hasattr(self.averages, "count")
-            and float(self.averages.count.detach()) > 0
-            and not torch.is_grad_enabled()
+            not torch.is_grad_enabled()
+            and self._global_level is not None
+            and "count" in self.averages._pyro_params
+            and float(self._param(self.averages, "count").detach()) > 0
         )
 
     # ---- conjugate levels' means in units of their sd -----------------------------------------------------------
