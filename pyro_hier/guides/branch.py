@@ -507,14 +507,16 @@ class AutoBranchGuide(HierarchicalGuide):
         """``params.<key>``, read through Pyro (``pyro.param``: the param store's tensor, recorded by the handlers) on
         its first read in a call of the guide, and the same tensor on later reads in that call: each read is otherwise
         another ``pyro.param`` statement through every handler (62 a training step on the three-level model before;
-        the parameters are not replaced during a call, and in-place writes go to the same tensor)."""
+        the parameters are not replaced during a call, and in-place writes go to the same tensor). In a call without
+        gradients (``Predictive``'s) the store's tensor is taken as it is when the module holds it already
+        (:func:`_stored_param`): nothing optimises what such a call reads."""
         cache = self._call_cache
         if cache is None:
             return getattr(params, key)
         entry = (id(params), key)
         value = cache.get(entry)
         if value is None:
-            value = cache[entry] = getattr(params, key)
+            value = cache[entry] = _stored_param(params, key)
         return value
 
     def _training(self) -> bool:
@@ -530,12 +532,18 @@ class AutoBranchGuide(HierarchicalGuide):
         stale = []
         for name in self.conjugate_levels:
             level = self._levels[name]
-            visits = self._reference(level, "visits", plates, 0)
-            if training:
-                visits = torch.where(visits >= 0, visits + 1, visits)
-                self._write_elements(self.references, f"{name}__visits", level, plates, visits, 0)
-            backoff = self._reference(level, "backoff", plates, 0)
-            if bool((visits < 0).any()) or (training and float((visits / backoff).mean()) >= REFERENCE_EVERY):
+            every = all(ix is None for ix in element_selection(plates, level.plates, level.dims).values())
+            if training and every:  # (full-data steps: every element counted in place)
+                buffer = _state_tensor(self._param(self.references, f"{name}__visits"))
+                visits = buffer.add_((buffer >= 0).to(buffer.dtype)).detach()
+            else:
+                visits = self._reference(level, "visits", plates, 0)
+                if training:
+                    visits = torch.where(visits >= 0, visits + 1, visits)
+                    self._write_elements(self.references, f"{name}__visits", level, plates, visits, 0)
+            if bool((visits < 0).any()) or (
+                training and float((visits / self._reference(level, "backoff", plates, 0)).mean()) >= REFERENCE_EVERY
+            ):
                 stale.append(level)
         if not stale:
             return
@@ -786,8 +794,8 @@ class AutoBranchGuide(HierarchicalGuide):
             if slopes is not None:
                 moves = [(slope @ delta.unsqueeze(-1)).squeeze(-1) for slope in slopes]
             loc, scale = conjugate_conditional(prior, *refs, mean, factor, *moves, precision_tril=not diagonal)
-            if diagonal:
-                return dist.Normal(loc, scale).to_event(1)
+            if diagonal:  # (valid by construction: not validated, a check that reads the tensors on every call)
+                return dist.Normal(loc, scale, validate_args=False).to_event(1)
             return CholeskyPrecisionNormal(loc, scale)  # (scale: the precision's factor)
 
         q = build(mean, factor)
@@ -974,9 +982,9 @@ class AutoBranchGuide(HierarchicalGuide):
         def build(loc, weight=None, scale=None, anc_loc=None, anc_scale=None):
             if weight is not None:
                 loc = loc + (weight @ ((u_anc - anc_loc) / anc_scale).unsqueeze(-1)).squeeze(-1)
-            if self._is_diagonal(level):
-                return dist.Normal(loc, scale).to_event(1)
-            return dist.MultivariateNormal(loc, scale_tril=scale)
+            if self._is_diagonal(level):  # (valid by construction: not validated, a check that reads the tensors)
+                return dist.Normal(loc, scale, validate_args=False).to_event(1)
+            return dist.MultivariateNormal(loc, scale_tril=scale, validate_args=False)
 
         q = build(*params)
         if not (self.stick_the_landing or (level is self._global_level and getattr(self, "_globals_stick", False))):
@@ -1118,7 +1126,9 @@ class AutoBranchGuide(HierarchicalGuide):
         try:
             for u in (copies, copies.detach()):  # the same value twice: gradients but the copies' cancel exactly
                 given = {**result, **self._level_values(glob, u)}
-                fns, _ = capture_priors(self.model, args, kwargs, given, level.sites, subsamples)
+                fns, _ = capture_priors(
+                    self.user_model, args, kwargs, given, level.sites, subsamples, validate=False, init=self.site_init
+                )
                 priors.append(self._level_prior(level, fns))
         except (RuntimeError, ValueError, IndexError) as error:
             if checked:
@@ -1183,7 +1193,16 @@ class AutoBranchGuide(HierarchicalGuide):
         """q of a level's elements on this call, given the ancestors' draws (``values`` unconstrained by level,
         ``result`` constrained by site); built outside the plates. A hook: the amortized guide's conjugate levels."""
         if level.name in self.conjugate_levels:  # the prior conditional at the ancestors' draws, from the model
-            fns, _ = capture_priors(self.model, args, kwargs, dict(result), level.sites, plate_indices(plates))
+            fns, _ = capture_priors(
+                self.user_model,
+                args,
+                kwargs,
+                dict(result),
+                level.sites,
+                plate_indices(plates),
+                validate=False,
+                init=self.site_init,
+            )
             return self._conjugate_distribution(level, self._level_prior(level, fns), values, plates)
         return self._level_distribution(level, values, plates)  # parameters read (and cut) outside the plates
 
@@ -1553,6 +1572,24 @@ def _state_tensor(value: torch.Tensor) -> torch.Tensor:
     """The param store's tensor behind a real-valued parameter (to be written in place)."""
     unconstrained = getattr(value, "unconstrained", None)
     return value if unconstrained is None else unconstrained()
+
+
+def _stored_param(module: PyroModule, name: str) -> torch.Tensor:
+    """``module.<name>`` (a real-valued ``PyroParam``): in a call without gradients, outside ``torch.jit`` tracing,
+    the param store's tensor itself when it is the one the module holds (the value ``pyro.param`` would return,
+    without the statement through every handler); otherwise read through Pyro, which adopts the store's tensor (e.g.
+    after ``pyro.get_param_store().load``) and records it."""
+    if not torch.is_grad_enabled() and not torch.jit.is_tracing() and module._pyro_context.active:
+        raw = module._parameters.get(f"{name}_unconstrained")
+        constraint = module._pyro_params.get(name, (None,))[0]
+        store = pyro.get_param_store()
+        if (
+            raw is not None
+            and constraint is constraints.real
+            and store._params.get(module._pyro_get_fullname(name)) is raw
+        ):
+            return raw
+    return getattr(module, name)
 
 
 def _raw_state(module: PyroModule, name: str) -> torch.Tensor:

@@ -515,3 +515,31 @@ def test_references_that_do_not_move_are_redone_less_often():
     # after longer and longer waits
     assert [k for k in range(1, 56) if refreshes[k] > refreshes[k - 1]] == [10, 25, 55]
     assert bool((guide.references.users__backoff.detach() >= 2).all())
+
+
+def test_each_parameter_is_read_through_pyro_once_a_call(monkeypatch):
+    """Per-call overhead (issue 19's CPU cost): a training call reads each parameter through ``pyro.param`` once (the
+    same tensor after), with the references and the locations read by both the references' bookkeeping and the
+    draws; a call without gradients (``Predictive``'s) takes the store's tensors without ``pyro.param`` statements.
+    Measured when written on the three-level model: 62 statements a training call before (20 distinct parameters;
+    the tail average's count read 6 times), 20 after; 21 a ``Predictive`` call before, none after."""
+    p = three_level(num_regions=3, num_groups=2, num_obs=4, seed=0)
+    pyro.clear_param_store()
+    guide = AutoBranchGuide(p.model)
+    svi = SVI(p.model, guide, pyro.optim.Adam({"lr": 0.01}), Trace_ELBO())
+    for _ in range(3):
+        svi.step(*p.args)
+    reads: list[str] = []
+    original = pyro.param
+
+    def counted(name, *args, **kwargs):
+        reads.append(name)
+        return original(name, *args, **kwargs)
+
+    monkeypatch.setattr(pyro.nn.module.pyro, "param", counted)
+    svi.step(*p.args)
+    assert reads and len(reads) == len(set(reads)), sorted(reads)
+    reads.clear()
+    with torch.no_grad():
+        pyro.infer.Predictive(p.model, guide=guide, num_samples=2)(*p.args)
+    assert reads == []
