@@ -502,6 +502,8 @@ class AutoBranchGuide(HierarchicalGuide):
 
     #: during a call of the guide: its parameters as read through Pyro on this call (see :meth:`_param`)
     _call_cache: dict | None = None
+    #: during a call of the guide: the call has no gradients and is not traced by ``torch.jit`` (see :meth:`_param`)
+    _call_untraced: bool = False
 
     def _param(self, params: PyroModule, key: str) -> torch.Tensor:
         """``params.<key>``, read through Pyro (``pyro.param``: the param store's tensor, recorded by the handlers) on
@@ -509,14 +511,16 @@ class AutoBranchGuide(HierarchicalGuide):
         another ``pyro.param`` statement through every handler (62 a training step on the three-level model before;
         the parameters are not replaced during a call, and in-place writes go to the same tensor). In a call without
         gradients (``Predictive``'s) the store's tensor is taken as it is when the module holds it already
-        (:func:`_stored_param`): nothing optimises what such a call reads."""
+        (:func:`_stored_param`): nothing optimises what such a call reads. (A training call reads every parameter
+        through Pyro, also where it first reads one without gradients, as the references' redo does: ``SVI`` steps
+        what the call's trace records.)"""
         cache = self._call_cache
         if cache is None:
             return getattr(params, key)
         entry = (id(params), key)
         value = cache.get(entry)
         if value is None:
-            value = cache[entry] = _stored_param(params, key)
+            value = cache[entry] = _stored_param(params, key) if self._call_untraced else getattr(params, key)
         return value
 
     def _training(self) -> bool:
@@ -1003,8 +1007,9 @@ class AutoBranchGuide(HierarchicalGuide):
         plates = self._create_plates(*args, **kwargs)
         values: dict[str, torch.Tensor] = {}
         result: dict[str, torch.Tensor] = {}
-        outer, outer_cache = self._gathers, self._call_cache
+        outer, outer_cache, outer_untraced = self._gathers, self._call_cache, self._call_untraced
         self._call_cache = {}
+        self._call_untraced = not torch.is_grad_enabled() and not torch.jit.is_tracing()
         try:
             if self._gathers is None:  # (the amortized guide has found this call's already)
                 self._gathers = self._call_gathers(args, kwargs, plates)
@@ -1019,7 +1024,7 @@ class AutoBranchGuide(HierarchicalGuide):
                 self._refresh_references(args, kwargs, plates, training)
             return self._sample_levels(args, kwargs, plates, values, result, training)
         finally:
-            self._gathers, self._call_cache = outer, outer_cache
+            self._gathers, self._call_cache, self._call_untraced = outer, outer_cache, outer_untraced
 
     def _sample_levels(
         self, args: tuple, kwargs: dict, plates: dict, values: dict, result: dict, training: bool
@@ -1575,11 +1580,11 @@ def _state_tensor(value: torch.Tensor) -> torch.Tensor:
 
 
 def _stored_param(module: PyroModule, name: str) -> torch.Tensor:
-    """``module.<name>`` (a real-valued ``PyroParam``): in a call without gradients, outside ``torch.jit`` tracing,
-    the param store's tensor itself when it is the one the module holds (the value ``pyro.param`` would return,
-    without the statement through every handler); otherwise read through Pyro, which adopts the store's tensor (e.g.
-    after ``pyro.get_param_store().load``) and records it."""
-    if not torch.is_grad_enabled() and not torch.jit.is_tracing() and module._pyro_context.active:
+    """``module.<name>`` (a real-valued ``PyroParam``) for a call of the guide without gradients, outside ``torch.jit``
+    tracing: the param store's tensor itself when it is the one the module holds (the value ``pyro.param`` would
+    return, without the statement through every handler, which would record it for nothing); otherwise read through
+    Pyro, which adopts the store's tensor (e.g. after ``pyro.get_param_store().load``)."""
+    if module._pyro_context.active:
         raw = module._parameters.get(f"{name}_unconstrained")
         constraint = module._pyro_params.get(name, (None,))[0]
         store = pyro.get_param_store()
