@@ -55,11 +55,14 @@ so the fixed points are those of the exact gradient.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
+import pyro
 import pyro.distributions as dist
 import torch
 from pyro import poutine
+from pyro.infer.autoguide.initialization import InitMessenger
 from pyro.poutine.subsample_messenger import _Subsample
 from torch.distributions import biject_to, constraints
 
@@ -244,16 +247,25 @@ def capture_priors(
     values: dict[str, torch.Tensor],
     wanted: Iterable[str],
     subsamples: dict[str, torch.Tensor] | None = None,
+    *,
+    validate: bool = True,
+    init: Callable[[dict], torch.Tensor] | None = None,
 ) -> tuple[dict[str, object], dict[str, PlateCall]]:
     """Run ``model`` hidden from outer handlers, with the latent ``values`` given, until every site in ``wanted`` has
     been reached (the model stops there): ``({site: its prior conditional}, {plate: PlateCall of this call})``.
     Latent sites before them that are not in ``values`` are sampled from the model, as in a plain run; plates the
-    model subsamples at random take the indices in ``subsamples`` (those of the guide's call)."""
+    model subsamples at random take the indices in ``subsamples`` (those of the guide's call). ``validate=False``:
+    without validating the distributions' arguments (for a guide's call, whose model's own run checks the same ones;
+    the checks read the tensors, a good part of a small model's run). ``init``: the init strategy of the latent sites
+    that are neither given nor wanted (as ``InitMessenger(init)(model)`` would give them; a guide passes the user's
+    model and its own strategy), applied after the given values are set, so that it makes no value it would throw
+    away."""
     wanted = set(wanted)
     capture = _PriorCapture(values, wanted, subsamples or {})
     plates = PlateRecorder()
+    initial = nullcontext() if init is None else InitMessenger(init)
     try:
-        with poutine.block(), plates, capture:
+        with poutine.block(), plates, initial, capture, nullcontext() if validate else pyro.validation_enabled(False):
             model(*args, **kwargs)
     except _Reached:
         pass

@@ -87,6 +87,8 @@ class StickingTheLanding(dist.TorchDistribution):
 
     def expand(self, batch_shape, _instance=None) -> StickingTheLanding:
         batch_shape = torch.Size(batch_shape)
+        if batch_shape == self.batch_shape:  # (Pyro's plates expand every site's distribution: mostly to its shape)
+            return self
         return StickingTheLanding(self.sampler.expand(batch_shape), self.scorer.expand(batch_shape))
 
 
@@ -158,6 +160,8 @@ class CholeskyPrecisionNormal(dist.TorchDistribution):
 
     def expand(self, batch_shape, _instance=None) -> CholeskyPrecisionNormal:
         batch_shape = torch.Size(batch_shape)
+        if batch_shape == self.batch_shape:
+            return self
         d = self.event_shape
         return CholeskyPrecisionNormal(
             self.loc.expand(batch_shape + d), self.precision_tril.expand(batch_shape + d + d)
@@ -226,6 +230,8 @@ class ConjugateScorer(dist.TorchDistribution):
 
     def expand(self, batch_shape, _instance=None) -> ConjugateScorer:
         batch_shape = torch.Size(batch_shape)
+        if batch_shape == self.batch_shape:
+            return self
         d = self.event_shape
         held = self.held.expand(batch_shape)
         return ConjugateScorer(

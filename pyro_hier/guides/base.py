@@ -357,7 +357,15 @@ class HierarchicalGuide(AutoGuide):
         else:
             log_density = transform.inv.log_abs_det_jacobian(value, u)
             log_density = sum_rightmost(log_density, log_density.dim() - value.dim() + site.event_dim)
-        return pyro.sample(name, dist.Delta(value, log_density=log_density, event_dim=site.event_dim))
+        # (not validated: T(u) is in the support by construction, and the check reads the tensors on every call)
+        delta = dist.Delta(value, log_density=log_density, event_dim=site.event_dim, validate_args=False)
+        return pyro.sample(name, delta)
+
+    @property
+    def site_init(self) -> Callable[[dict], torch.Tensor]:
+        """The init strategy that :attr:`model` applies to the sites: with :attr:`user_model`, for runs of the model
+        that set some sites' values first (:func:`~pyro_hier.conjugate.capture_priors`'s ``init``)."""
+        return _ContinuousInit(self.init_loc_fn)
 
     def _constrain(self, name: str, u: torch.Tensor) -> torch.Tensor:
         assert self.structure is not None

@@ -541,7 +541,7 @@ class AutoBranchGuide(HierarchicalGuide):
         return self._is_diagonal(level) or level.numel == 1
 
     def _reference(self, level: PlateLevel, key: str, plates: dict | None, event_dim: int) -> torch.Tensor:
-        value = getattr(self.references, f"{level.name}__{key}").detach()
+        value = self._param(self.references, f"{level.name}__{key}").detach()
         if plates is None:
             return value
         return select_elements(value, element_selection(plates, level.plates, level.dims), event_dim)
@@ -551,9 +551,32 @@ class AutoBranchGuide(HierarchicalGuide):
     ) -> None:
         """Write ``value`` (the call's elements) into the full-size parameter ``params.key`` at the call's elements,
         in place and without gradient (references, and conjugate levels' parameters on a new reference)."""
-        buffer = _state_tensor(getattr(params, key))
+        buffer = _state_tensor(self._param(params, key))
         index = _element_index(buffer, element_selection(plates, level.plates, level.dims), event_dim)
         buffer[index] = value.to(buffer.dtype).expand(buffer[index].shape)
+
+    #: during a call of the guide: its parameters as read through Pyro on this call (see :meth:`_param`)
+    _call_cache: dict | None = None
+    #: during a call of the guide: the call has no gradients and is not traced by ``torch.jit`` (see :meth:`_param`)
+    _call_untraced: bool = False
+
+    def _param(self, params: PyroModule, key: str) -> torch.Tensor:
+        """``params.<key>``, read through Pyro (``pyro.param``: the param store's tensor, recorded by the handlers) on
+        its first read in a call of the guide, and the same tensor on later reads in that call: each read is otherwise
+        another ``pyro.param`` statement through every handler (62 a training step on the three-level model before;
+        the parameters are not replaced during a call, and in-place writes go to the same tensor). In a call without
+        gradients (``Predictive``'s) the store's tensor is taken as it is when the module holds it already
+        (:func:`_stored_param`): nothing optimises what such a call reads. (A training call reads every parameter
+        through Pyro, also where it first reads one without gradients, as the references' redo does: ``SVI`` steps
+        what the call's trace records.)"""
+        cache = self._call_cache
+        if cache is None:
+            return getattr(params, key)
+        entry = (id(params), key)
+        value = cache.get(entry)
+        if value is None:
+            value = cache[entry] = _stored_param(params, key) if self._call_untraced else getattr(params, key)
+        return value
 
     def _training(self) -> bool:
         return torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
@@ -568,12 +591,18 @@ class AutoBranchGuide(HierarchicalGuide):
         stale = []
         for name in self.conjugate_levels:
             level = self._levels[name]
-            visits = self._reference(level, "visits", plates, 0)
-            if training:
-                visits = torch.where(visits >= 0, visits + 1, visits)
-                self._write_elements(self.references, f"{name}__visits", level, plates, visits, 0)
-            backoff = self._reference(level, "backoff", plates, 0)
-            if bool((visits < 0).any()) or (training and float((visits / backoff).mean()) >= REFERENCE_EVERY):
+            every = all(ix is None for ix in element_selection(plates, level.plates, level.dims).values())
+            if training and every:  # (full-data steps: every element counted in place)
+                buffer = _state_tensor(self._param(self.references, f"{name}__visits"))
+                visits = buffer.add_((buffer >= 0).to(buffer.dtype)).detach()
+            else:
+                visits = self._reference(level, "visits", plates, 0)
+                if training:
+                    visits = torch.where(visits >= 0, visits + 1, visits)
+                    self._write_elements(self.references, f"{name}__visits", level, plates, visits, 0)
+            if bool((visits < 0).any()) or (
+                training and float((visits / self._reference(level, "backoff", plates, 0)).mean()) >= REFERENCE_EVERY
+            ):
                 stale.append(level)
         if not stale:
             return
@@ -583,7 +612,7 @@ class AutoBranchGuide(HierarchicalGuide):
         for level in self.levels:
             centre = self._level_mean(level, plates).detach()
             if level is self._global_level and self._use_average():
-                centre = self.averages.loc.detach()
+                centre = self._param(self.averages, "loc").detach()
             centres[level.name] = centre
             values.update(self._level_values(level, centre))
         subsamples = plate_indices(plates)
@@ -688,7 +717,7 @@ class AutoBranchGuide(HierarchicalGuide):
             if set(level.plates) & set(getattr(self, "drawn_plates", ())):
                 continue
             subsampled = any(_subsample_size(plates[p]) < self.structure.plates[p].size for p in level.plates)
-            if subsampled and bool((getattr(self.references, f"{name}__visits").detach() < 0).any()):
+            if subsampled and bool((self._param(self.references, f"{name}__visits").detach() < 0).any()):
                 return True
         return False
 
@@ -927,8 +956,8 @@ class AutoBranchGuide(HierarchicalGuide):
             if slopes is not None:
                 moves = [(slope @ delta.unsqueeze(-1)).squeeze(-1) for slope in slopes]
             loc, scale = conjugate_conditional(prior, *refs, mean, factor, *moves, precision_tril=not diagonal)
-            if diagonal:
-                return dist.Normal(loc, scale).to_event(1)
+            if diagonal:  # (valid by construction: not validated, a check that reads the tensors on every call)
+                return dist.Normal(loc, scale, validate_args=False).to_event(1)
             return CholeskyPrecisionNormal(loc, scale)  # (scale: the precision's factor)
 
         q = build(mean, factor)
@@ -1055,7 +1084,7 @@ class AutoBranchGuide(HierarchicalGuide):
     ) -> torch.Tensor:
         """The level's parameter in ``params``, cut to the elements of ``plates`` (full size for ``None``). Read it
         outside the plates: inside, Pyro's plates would slice it too."""
-        value = getattr(params, level.name)
+        value = self._param(params, level.name)
         if plates is None or not level.plates:
             return value
         return select_elements(value, element_selection(plates, level.plates, level.dims), event_dim)
@@ -1076,7 +1105,7 @@ class AutoBranchGuide(HierarchicalGuide):
         diagonal = self._is_diagonal(level)
         raw = self._element_param(self.scales if diagonal else self.scale_trils, level, plates, 1 if diagonal else 2)
         if level is self._global_level and self._use_average():
-            loc, raw = self.averages.loc.detach(), self.averages.scale.detach()
+            loc, raw = self._param(self.averages, "loc").detach(), self._param(self.averages, "scale").detach()
         if self._is_diagonal(level):
             scale = positive(raw)
         else:
@@ -1146,9 +1175,9 @@ class AutoBranchGuide(HierarchicalGuide):
         def build(loc, weight=None, scale=None, anc_loc=None, anc_scale=None):
             if weight is not None:
                 loc = loc + (weight @ ((u_anc - anc_loc) / anc_scale).unsqueeze(-1)).squeeze(-1)
-            if self._is_diagonal(level):
-                return dist.Normal(loc, scale).to_event(1)
-            return dist.MultivariateNormal(loc, scale_tril=scale)
+            if self._is_diagonal(level):  # (valid by construction: not validated, a check that reads the tensors)
+                return dist.Normal(loc, scale, validate_args=False).to_event(1)
+            return dist.MultivariateNormal(loc, scale_tril=scale, validate_args=False)
 
         q = build(*params)
         if not (self.stick_the_landing or (level is self._global_level and getattr(self, "_globals_stick", False))):
@@ -1167,19 +1196,31 @@ class AutoBranchGuide(HierarchicalGuide):
         plates = self._create_plates(*args, **kwargs)
         values: dict[str, torch.Tensor] = {}
         result: dict[str, torch.Tensor] = {}
-        outer = self._gathers
-        if self._gathers is None:  # (the amortized guide has found this call's already)
-            self._gathers = self._call_gathers(args, kwargs, plates)
-        training = self._training()
-        if training:
-            self._attach_hooks()
-        if torch.jit.is_tracing() and not getattr(self, "_warned_jit", False):
-            self._warn_held_smoothed_levels()
-        if self.conjugate_levels and not torch.jit.is_tracing():  # (JIT: made by Pyro's first, untraced run; held)
-            if self._lacks_references(plates):  # a minibatch first: every group's reference at once, from all the data
-                with poutine.block(), self._summary_call(args, kwargs) as (full_args, full_kwargs):
-                    self._refresh_references(full_args, full_kwargs, self._full_plates(), training=False)
-            self._refresh_references(args, kwargs, plates, training)
+        outer, outer_cache, outer_untraced = self._gathers, self._call_cache, self._call_untraced
+        self._call_cache = {}
+        self._call_untraced = not torch.is_grad_enabled() and not torch.jit.is_tracing()
+        try:
+            if self._gathers is None:  # (the amortized guide has found this call's already)
+                self._gathers = self._call_gathers(args, kwargs, plates)
+            training = self._training()
+            if training:
+                self._attach_hooks()
+            if torch.jit.is_tracing() and not getattr(self, "_warned_jit", False):
+                self._warn_held_smoothed_levels()
+            if self.conjugate_levels and not torch.jit.is_tracing():  # (JIT: made by Pyro's first, untraced run; held)
+                if self._lacks_references(plates):  # a minibatch first: every group's reference, from all the data
+                    with poutine.block(), self._summary_call(args, kwargs) as (full_args, full_kwargs):
+                        self._refresh_references(full_args, full_kwargs, self._full_plates(), training=False)
+                    self._call_cache = {}  # (read there hidden from the handlers: read again where they see them)
+                self._refresh_references(args, kwargs, plates, training)
+            return self._sample_levels(args, kwargs, plates, values, result, training)
+        finally:
+            self._gathers, self._call_cache, self._call_untraced = outer, outer_cache, outer_untraced
+
+    def _sample_levels(
+        self, args: tuple, kwargs: dict, plates: dict, values: dict, result: dict, training: bool
+    ) -> dict[str, torch.Tensor]:
+        """Draw the levels in order (``values``: unconstrained by level, ``result``: constrained by site, filled in)."""
         terms = []
         # with the control variate on this call, what is left of the globals' gradient noise is their own draw's:
         # sticking the landing takes it out where q of the globals matches their posterior (default None: here only)
@@ -1200,7 +1241,6 @@ class AutoBranchGuide(HierarchicalGuide):
                 if training and self._control_variate_applies(level, plates, values):
                     terms.append(self._control_variate_term(level, q, args, kwargs, values, result, plates))
         finally:
-            self._gathers = outer
             self._globals_stick = False
         if terms:  # zero-valued: only the globals' gradient moves (q's log density, and so the ELBO, unchanged)
             pyro.factor(f"_{self._pyro_name}_control_variate", sum(terms), has_rsample=True)
@@ -1252,7 +1292,7 @@ class AutoBranchGuide(HierarchicalGuide):
         assert glob is not None and self.structure is not None
         u_g = values[glob.name]
         table, points, secant = (
-            _state_tensor(getattr(self.references, f"{level.name}__cv_{key}"))
+            _state_tensor(self._param(self.references, f"{level.name}__cv_{key}"))
             for key in ("gradient", "point", "secant")
         )
         selection = element_selection(plates, level.plates, level.dims)
@@ -1282,7 +1322,9 @@ class AutoBranchGuide(HierarchicalGuide):
         try:
             for u in (copies, copies.detach()):  # the same value twice: gradients but the copies' cancel exactly
                 given = {**result, **self._level_values(glob, u)}
-                fns, _ = capture_priors(self.model, args, kwargs, given, level.sites, subsamples)
+                fns, _ = capture_priors(
+                    self.user_model, args, kwargs, given, level.sites, subsamples, validate=False, init=self.site_init
+                )
                 priors.append(self._level_prior(level, fns))
         except (RuntimeError, ValueError, IndexError) as error:
             if checked:
@@ -1347,7 +1389,16 @@ class AutoBranchGuide(HierarchicalGuide):
         """q of a level's elements on this call, given the ancestors' draws (``values`` unconstrained by level,
         ``result`` constrained by site); built outside the plates. A hook: the amortized guide's conjugate levels."""
         if level.name in self.conjugate_levels:  # the prior conditional at the ancestors' draws, from the model
-            fns, _ = capture_priors(self.model, args, kwargs, dict(result), level.sites, plate_indices(plates))
+            fns, _ = capture_priors(
+                self.user_model,
+                args,
+                kwargs,
+                dict(result),
+                level.sites,
+                plate_indices(plates),
+                validate=False,
+                init=self.site_init,
+            )
             return self._conjugate_distribution(level, self._level_prior(level, fns), values, plates)
         return self._level_distribution(level, values, plates)  # parameters read (and cut) outside the plates
 
@@ -1367,7 +1418,7 @@ class AutoBranchGuide(HierarchicalGuide):
         assert self._global_level is not None
         name = self._global_level.name
         raw = self.scales if self._is_diagonal(self._global_level) else self.scale_trils
-        return {"loc": getattr(self.locs, name), "scale": getattr(raw, name)}
+        return {"loc": self._param(self.locs, name), "scale": self._param(raw, name)}
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
@@ -1426,10 +1477,10 @@ class AutoBranchGuide(HierarchicalGuide):
         """Outside training (``Predictive``, ``median``, ``quantiles``, any call without gradients) the global level
         uses the tail average of its parameters instead of the last iterate."""
         return (
-            self._global_level is not None
-            and hasattr(self.averages, "count")
-            and float(self.averages.count.detach()) > 0
-            and not torch.is_grad_enabled()
+            not torch.is_grad_enabled()
+            and self._global_level is not None
+            and "count" in self.averages._pyro_params
+            and float(self._param(self.averages, "count").detach()) > 0
         )
 
     # ---- conjugate levels' means in units of their sd -----------------------------------------------------------
@@ -1786,6 +1837,24 @@ def _state_tensor(value: torch.Tensor) -> torch.Tensor:
     """The param store's tensor behind a real-valued parameter (to be written in place)."""
     unconstrained = getattr(value, "unconstrained", None)
     return value if unconstrained is None else unconstrained()
+
+
+def _stored_param(module: PyroModule, name: str) -> torch.Tensor:
+    """``module.<name>`` (a real-valued ``PyroParam``) for a call of the guide without gradients, outside ``torch.jit``
+    tracing: the param store's tensor itself when it is the one the module holds (the value ``pyro.param`` would
+    return, without the statement through every handler, which would record it for nothing); otherwise read through
+    Pyro, which adopts the store's tensor (e.g. after ``pyro.get_param_store().load``)."""
+    if module._pyro_context.active:
+        raw = module._parameters.get(f"{name}_unconstrained")
+        constraint = module._pyro_params.get(name, (None,))[0]
+        store = pyro.get_param_store()
+        if (
+            raw is not None
+            and constraint is constraints.real
+            and store._params.get(module._pyro_get_fullname(name)) is raw
+        ):
+            return raw
+    return getattr(module, name)
 
 
 def _raw_state(module: PyroModule, name: str) -> torch.Tensor:
