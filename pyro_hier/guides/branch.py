@@ -350,6 +350,7 @@ class AutoBranchGuide(HierarchicalGuide):
                     setattr(self.averages, key, PyroParam(value.detach().clone(), constraints.real))
                     getattr(self.averages, key)  # (read once: a trace of this call records the parameter, not its init)
                 self.averages.count = PyroParam(like.new_zeros(()), constraints.real)
+                _ = self.averages.count  # (read once, as above: no call of a training step reads it since)
 
     def _setup_level(self, level: PlateLevel, init: torch.Tensor) -> None:
         """Create the free parameters of one level from its initial element vectors ``init``."""
