@@ -134,9 +134,9 @@ def fit_svi(problem: Problem, make: Callable, steps: int, lr: float, seed: int, 
     return Row(*posterior_errors(samples, problem.moments), time.perf_counter() - start, time.process_time() - cpu)
 
 
-def fit_nuts_pyro(problem: Problem, seed: int, draws: int, warmup: int) -> Row:
+def nuts_pyro_samples(problem: Problem, seed: int, draws: int, warmup: int) -> dict[str, torch.Tensor]:
+    """Draws of every latent site from Pyro's NUTS (JIT-compiled potential)."""
     pyro.set_rng_seed(seed)
-    start, cpu = time.perf_counter(), time.process_time()
     mcmc = MCMC(
         NUTS(problem.model, jit_compile=True, ignore_jit_warnings=True),
         num_samples=draws,
@@ -144,7 +144,12 @@ def fit_nuts_pyro(problem: Problem, seed: int, draws: int, warmup: int) -> Row:
         disable_progbar=True,
     )
     mcmc.run(*problem.args, **problem.kwargs)
-    samples = mcmc.get_samples()
+    return mcmc.get_samples()
+
+
+def fit_nuts_pyro(problem: Problem, seed: int, draws: int, warmup: int) -> Row:
+    start, cpu = time.perf_counter(), time.process_time()
+    samples = nuts_pyro_samples(problem, seed, draws, warmup)
     if not problem.moments:
         raise NotImplementedError("NUTS rows are reported for problems with a reference posterior")
     missing = [s for s in problem.moments if s not in samples]

@@ -41,10 +41,9 @@ from collections.abc import Callable
 import pyro
 import pyro.distributions as dist
 import torch
-from pyro.infer import MCMC, NUTS
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dropin import GUIDES, fit_svi, machine
+from dropin import GUIDES, fit_svi, machine, nuts_pyro_samples
 
 from pyro_hier.problems.base import Moments, Problem
 
@@ -136,17 +135,9 @@ DEFAULT_GUIDES = (
 def nuts_reference(problem: Problem, warmup: int, draws: int, seed: int) -> tuple[dict[str, Moments], float, float]:
     """Posterior means and sds of every latent site from Pyro's NUTS; the largest Monte Carlo error of a mean (in
     posterior sds, from 20 batch means) and the CPU seconds."""
-    pyro.set_rng_seed(seed)
     cpu = time.process_time()
-    mcmc = MCMC(
-        NUTS(problem.model, jit_compile=True, ignore_jit_warnings=True),
-        num_samples=draws,
-        warmup_steps=warmup,
-        disable_progbar=True,
-    )
-    mcmc.run(*problem.args, **problem.kwargs)
     moments, mc = {}, 0.0
-    for name, v in mcmc.get_samples().items():
+    for name, v in nuts_pyro_samples(problem, seed, draws, warmup).items():
         v = v.double()
         sd = v.std(0)
         moments[name] = Moments(v.mean(0), sd)
