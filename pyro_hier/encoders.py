@@ -23,7 +23,7 @@ from torch import nn
 
 from pyro_hier.errors import StructureError
 from pyro_hier.local_data import Observation, is_factor, observation_features
-from pyro_hier.nn import MLP, Standardize, readout_multiplier
+from pyro_hier.nn import MLP, Standardize, module_key, readout_multiplier
 from pyro_hier.plates import PlateCall, element_selection
 from pyro_hier.sparse import select_elements
 from pyro_hier.structure import ModelStructure, PlateLevel
@@ -32,7 +32,7 @@ __all__ = ["DeepSetEncoder", "FreeEncoding", "FrozenPositions", "SiteData"]
 
 
 def _key(*parts: str) -> str:
-    return "__".join(parts).replace(".", "_") or "globals"
+    return module_key("__".join(parts)) or "globals"
 
 
 class FreeEncoding(nn.Module):

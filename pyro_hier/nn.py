@@ -8,6 +8,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+from pyro.nn import PyroModule
 from torch import nn
 
 __all__ = [
@@ -15,11 +16,28 @@ __all__ = [
     "RateLinear",
     "Standardize",
     "masked_pool",
+    "module_key",
     "pool_with_square",
     "readout_multiplier",
     "segment_pool",
     "with_square",
 ]
+
+
+def module_key(name: str) -> str:
+    """``name`` (a site, plate or level name, which Pyro lets contain ``"."``) as a key of ``nn.ModuleDict`` or a
+    submodule's name: dots become underscores (``torch`` refuses them), and a name that is already an attribute of
+    modules (``"items"``, ``"keys"``, ``"forward"``, …, which ``nn.ModuleDict`` refuses) gets a trailing underscore.
+    Two names can share a key (``"a.b"``, ``"a_b"``); :func:`pyro_hier.guides.base.parameter_keys` keeps them apart.
+
+    Example::
+
+        module_key("items"), module_key("county.effect")  # ("items_", "county_effect")
+    """
+    key = name.replace(".", "_")
+    if hasattr(nn.ModuleDict, key) or hasattr(PyroModule, key):
+        key = f"{key}_"
+    return key
 
 
 class RateLinear(nn.Linear):

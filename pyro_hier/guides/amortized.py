@@ -41,7 +41,7 @@ from pyro_hier.local_data import (
     keyed_rows,
     nested_features,
 )
-from pyro_hier.nn import MLP, Standardize, masked_pool, segment_pool, with_square
+from pyro_hier.nn import MLP, Standardize, masked_pool, module_key, segment_pool, with_square
 from pyro_hier.plates import (
     PlateCall,
     call_key,
@@ -549,14 +549,14 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         params = self._make_param_net(pooled_size, out, init)
         # (self._modules: reading self.nets before to_pyro_module_ would register its torch layers in Pyro's param
         # store a second time, under pyro.module names, which JitTrace_ELBO then asks for)
-        self._modules["nets"][_key(level.name)] = nn.ModuleDict({"features": feats, "params": params})
+        self._modules["nets"][module_key(level.name)] = nn.ModuleDict({"features": feats, "params": params})
 
     def _setup_natural_level(self, level: PlateLevel, init: torch.Tensor) -> None:
         """Observation networks (one per data source) and the free ``Λ₀`` (Cholesky), ``m₀`` and ``B``."""
         if level.name not in self.network_levels:  # the model's expansion alone, with the model's prior: no parameter
             return
         args, kwargs, calls, observations = self._setup_call
-        d, key = level.numel, _key(level.name)
+        d, key = level.numel, module_key(level.name)
         feats = nn.ModuleDict()
         for k, source in enumerate(self._sources[level.name]):
             rows, weights = self._source_rows(level, source, args, kwargs, calls, observations, init.dtype)
@@ -899,9 +899,19 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
     def _expansions_of_call(self, args, kwargs, calls, refreshes: int, old: dict | None) -> dict:
         """:meth:`_expansions` of this call's elements, from the model's call on all the data when this call's rows
         do not hold all the data of its groups."""
-        if all(self._call_has_all_data(self._levels[name], calls) for name in self.expanded_levels):
+        lacking = [name for name in self.expanded_levels if not self._call_has_all_data(self._levels[name], calls)]
+        if not lacking:
             return self._expansions(args, kwargs, calls, refreshes, old)
         else:  # rows subsampled with their groups present: each group's expansion from the call on all the data
+            drawn = [n for n, c in calls.items() if c.subsampled and not c.user_indices]
+            if drawn:
+                raise StructureError(
+                    f"{type(self).__name__}: level '{lacking[0]}' needs all the data of its groups, which this call "
+                    f"holds only in part, and the model subsamples plate '{drawn[0]}' at random (subsample_size=), "
+                    "so Pyro cannot open it in full. Pass the indices as an argument of the model "
+                    f"(pyro.plate('{drawn[0]}', N, subsample=idx), idx=None for all), or use AutoBranchGuide, "
+                    "which scales the minibatch's data instead."
+                )
             full_args, full_kwargs, forced = full_data_call(self.model, args, kwargs, calls)
             full_calls = capture_plates(self.model, full_args, full_kwargs)
             for n, idx in forced.items():
@@ -1165,7 +1175,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             if name in self.prior_levels:  # combined with the prior conditional at the ancestors' draws, in forward
                 return _Potential(precision, shift)
             return self._decode_natural(level, precision, shift)
-        nets = self.nets[_key(name)]
+        nets = self.nets[module_key(name)]
         pooled = []
         for k, rows, segment, mask in inputs:
             e = nets["features"][str(k)](rows)
@@ -1187,7 +1197,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         r"""Sums over each group's observations of ``L_j L_jᵀ`` and ``L_j t_j`` (diagonal: ``l_j²`` and
         ``l_j t_j``), from every data source, in the level's (subsampled) batch shape."""
         d, r = level.numel, self._rank(level)
-        nets = self.nets[_key(level.name)]["observations"]
+        nets = self.nets[module_key(level.name)]["observations"]
         diagonal = self._is_diagonal(level)
         precision = shift = None
         for k, rows, segment, mask in inputs:
@@ -1232,7 +1242,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         r"""``(loc, weight, scale)`` of :math:`\mathcal N(\Lambda^{-1}(\eta + C u_{anc}), \Lambda^{-1})` with
         :math:`\Lambda = \Lambda_0 + \text{precision}`, :math:`\eta = \Lambda_0 m_0 + \text{shift}`, in the branch
         guide's internal form (``weight`` multiplies the standardised ancestor deviation)."""
-        key = _key(level.name)
+        key = module_key(level.name)
         prior_loc = getattr(self.natural, f"{key}_prior_loc")
         if self._is_diagonal(level):
             prior_precision = positive(getattr(self.natural, f"{key}_precision_sd")) ** 2
@@ -1269,11 +1279,19 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             weight = self._row_scale(level, scale).unsqueeze(-1) * w
         return loc, weight, scale
 
+    def _like(self) -> torch.Tensor:
+        """A tensor of the guide's dtype and device: its first parameter, or (a guide with none, e.g. every level
+        conjugate without networks) the model's first latent value."""
+        for p in self.parameters():
+            return p
+        assert self.structure is not None
+        return next(iter(self.structure.latent.values())).value
+
     def _dtype(self) -> torch.dtype:
-        return next(self.parameters()).dtype
+        return self._like().dtype
 
     def _device(self) -> torch.device:
-        return next(self.parameters()).device
+        return self._like().device
 
     def _level_params(
         self, level: PlateLevel, plates: dict | None = None
@@ -1506,10 +1524,6 @@ def _same_expansions(made: dict, old: dict, tolerance: float = 0.0) -> bool:
         if not all(close(a, b) for a, b in pairs):
             return False
     return True
-
-
-def _key(level_name: str) -> str:
-    return level_name.replace(".", "_")
 
 
 class _ObservationNet(nn.Module):

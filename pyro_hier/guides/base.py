@@ -20,12 +20,12 @@ from pyro import poutine
 from pyro.distributions.util import sum_rightmost
 from pyro.infer.autoguide import AutoGuide
 from pyro.infer.autoguide.initialization import InitMessenger, init_to_feasible
-from pyro.nn import PyroModule
 from pyro.ops.tensor_utils import periodic_repeat
 from torch.distributions import biject_to
 
 from pyro_hier.errors import StructureError
 from pyro_hier.gathers import keep_random_state
+from pyro_hier.nn import module_key
 from pyro_hier.plates import (
     PlateCall,
     call_key,
@@ -608,9 +608,7 @@ def parameter_keys(names: Iterable[str]) -> dict[str, str]:
     taken: set[str] = set()
     names = list(names)
     for name in sorted(names, key=lambda n: "." in n):  # names without dots keep their own key
-        key = base = name.replace(".", "_")
-        if hasattr(torch.nn.ModuleDict, key) or hasattr(PyroModule, key):  # "items", "keys", "forward", …
-            key = base = f"{base}_"
+        key = base = module_key(name)  # "items" -> "items_", "a.b" -> "a_b"
         k = 0
         while key in taken:
             k += 1

@@ -1,0 +1,107 @@
+"""Crossed plates with one subsampled, plate names that are module attributes, and the replay of Pyro's random
+subsamples: what every guide does with them (a clear error naming the level, the plate and the fix where a guide
+cannot do what was asked; the work done where it can)."""
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import SVI, Predictive, Trace_ELBO
+
+from pyro_hier import (
+    AutoAmortizedBranchGuide,
+    AutoBranchGuide,
+    AutoHierarchicalVM,
+    AutoPlateAmortizedFlow,
+    StructureError,
+)
+from pyro_hier.plates import ReplaySubsamples, capture_plates
+
+USERS, ITEMS = 6, 4
+GUIDES = [AutoBranchGuide, AutoAmortizedBranchGuide, AutoPlateAmortizedFlow, AutoHierarchicalVM]
+
+
+def ratings() -> torch.Tensor:
+    return torch.randn(ITEMS, USERS, generator=torch.Generator().manual_seed(0))
+
+
+def drawn_model(y):
+    """Items crossed with users; Pyro draws 3 of the 6 users at random on every call."""
+    with pyro.plate("items", ITEMS, dim=-2):
+        v = pyro.sample("v", dist.Normal(0.0, 1.0))
+    with pyro.plate("users", USERS, subsample_size=3, dim=-1) as i:
+        u = pyro.sample("u", dist.Normal(0.0, 1.0))
+        with pyro.plate("rated", ITEMS, dim=-2):
+            pyro.sample("y", dist.Normal(u + v, 1.0), obs=y[:, i])
+
+
+def given_model(y, idx=None):
+    """:func:`drawn_model` with the users' indices an argument (``None``: all of them), the fix the errors name."""
+    with pyro.plate("items", ITEMS, dim=-2):
+        v = pyro.sample("v", dist.Normal(0.0, 1.0))
+    with pyro.plate("users", USERS, subsample=idx, dim=-1) as i:
+        u = pyro.sample("u", dist.Normal(0.0, 1.0))
+        with pyro.plate("rated", ITEMS, dim=-2):
+            pyro.sample("y", dist.Normal(u + v, 1.0), obs=y[:, i])
+
+
+def train(guide, model, *args, steps=3):
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.01}), Trace_ELBO())
+    for _ in range(steps):
+        assert torch.isfinite(torch.as_tensor(svi.step(*args)))
+
+
+@pytest.mark.parametrize("Guide", GUIDES, ids=lambda g: g.__name__)
+def test_a_plate_named_like_a_module_attribute_and_crossed_levels_with_given_subsamples(Guide):
+    """A plate named ``"items"`` (an attribute of ``nn.ModuleDict``, which refuses it as a key) builds, trains on
+    minibatches of users given as an argument, draws through ``Predictive`` and summarises every user; the amortized
+    guide of this model has no parameters at all (both crossed levels are conjugate), and still knows its dtype."""
+    pyro.clear_param_store()
+    y = ratings()
+    guide = Guide(given_model)
+    train(guide, given_model, y, torch.tensor([0, 2, 4]))
+    assert Predictive(given_model, guide=guide, num_samples=2)(y, torch.tensor([1, 3]))["u"].shape == (2, 1, 2)
+    median = guide.median(y)
+    assert median["v"].shape == (ITEMS, 1) and median["u"].shape == (USERS,)
+
+
+def test_branch_summaries_of_a_level_outside_a_plate_drawn_at_random_name_it_and_the_fix():
+    """The branch guide trains on the drawn users (the items' q reads the minibatch, scaled), but its median of the
+    items would read one block of users' data: refused, naming the level, the plate and the fix."""
+    pyro.clear_param_store()
+    guide = AutoBranchGuide(drawn_model)
+    train(guide, drawn_model, ratings())
+    with pytest.raises(StructureError, match=r"level 'items'.*plate 'users'.*subsample=idx"):
+        guide.median(ratings())
+
+
+def test_amortized_expansion_of_a_level_whose_data_span_a_plate_drawn_at_random_names_it_and_the_fix():
+    """The amortized guide expands each item's likelihood over all its users, which Pyro cannot open when it draws
+    them at random: refused on the first call, naming the level, the plate and the fix."""
+    pyro.clear_param_store()
+    guide = AutoAmortizedBranchGuide(drawn_model)
+    with pytest.raises(StructureError, match=r"level 'items'.*plate 'users'.*subsample=idx.*AutoBranchGuide"):
+        train(guide, drawn_model, ratings(), steps=1)
+
+
+def test_replay_subsamples_gives_drawn_plates_their_indices_and_leaves_the_others():
+    """Plates Pyro would draw take the given indices; a plate the model gives its own indices, and a plate not
+    listed, keep theirs; indices of the wrong length are Pyro's own error."""
+
+    def model(idx):
+        with pyro.plate("a", 10, subsample_size=3) as a:
+            pass
+        with pyro.plate("b", 8, subsample=idx) as b:
+            pass
+        with pyro.plate("c", 5, subsample_size=2) as c:
+            pass
+        return a, b, c
+
+    want_a = torch.tensor([7, 1, 4])
+    with ReplaySubsamples({"a": want_a, "b": torch.tensor([0, 1])}):
+        a, b, c = model(torch.tensor([5, 6]))
+    assert torch.equal(a, want_a) and torch.equal(b, torch.tensor([5, 6])) and c.shape == (2,)
+    calls = capture_plates(lambda: model(None), subsamples={"a": want_a})
+    assert torch.equal(calls["a"].indices, want_a) and calls["b"].indices.shape == (8,)
+    with pytest.raises(ValueError, match="subsample_size does not match"), ReplaySubsamples({"a": torch.arange(4)}):
+        model(None)
