@@ -253,8 +253,15 @@ class HierarchicalGuide(AutoGuide):
 
     # ---- plates -------------------------------------------------------------------------------------------------
     def _guide_plate_names(self) -> tuple[str, ...]:
+        """The plates of the guide's sites, then the plates the model subsamples at random that hold none (a flat
+        plate of observations, ``pyro.plate("data", N, subsample_size=B)``): the guide opens them too, as Pyro's
+        subsampling contract has it, so that the model replays the guide's draw and every run of the model the guide
+        makes on the call (its references, its expansions) reads the rows the ELBO scores."""
         assert self.structure is not None
-        return tuple(dict.fromkeys(p for n in self.guide_sites for p in self.structure.latent[n].plates))
+        s = self.structure
+        names = dict.fromkeys(p for n in self.guide_sites for p in s.latent[n].plates)
+        names.update(dict.fromkeys(n for n, p in s.plates.items() if p.subsampled and p.subsample is None and p.dim))
+        return tuple(names)
 
     def _create_plates(self, *args, **kwargs) -> dict[str, pyro.plate]:
         """The plates of this call: the user's ``create_plates``, else (in an ``AutoGuideList``) the list's plates,

@@ -1460,10 +1460,23 @@ class _Cascade(PlateRecorder):
             self.unconstrained[name] = self._maps[name].unconstrained(msg["value"])
 
     def global_vector(self) -> torch.Tensor:
-        """The globals' draw on this call as one unconstrained vector ``(…, d_g)`` (sites in model order)."""
+        r"""The globals' draw on this call as one unconstrained vector ``(…, d_g)`` (sites in model order).
+
+        Asked for by a plated site that the model samples before some global (``sigma`` after the groups' plate), the
+        globals not drawn yet stand at the reference (``ref_mean``): that site's :math:`q_0` moves along the globals
+        drawn before it only (its :math:`\Delta` is 0 in the others), a family in which the guide samples in the
+        model's order."""
         glob = self.guide._global_level
         assert glob is not None
-        return concat_broadcast([self.unconstrained[n] for n in glob.sites])
+        if all(n in self.unconstrained for n in glob.sites):
+            return concat_broadcast([self.unconstrained[n] for n in glob.sites])
+        assert self.guide.structure is not None
+        reference, parts, start = self.guide._state("ref_mean"), [], 0
+        for n in glob.sites:
+            size = self.guide.structure.latent[n].element_numel
+            parts.append(self.unconstrained[n] if n in self.unconstrained else reference[start : start + size])
+            start += size
+        return concat_broadcast(parts)
 
 
 def natural_power(
