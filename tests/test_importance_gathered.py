@@ -461,3 +461,18 @@ def test_rows_that_read_no_group_are_exact():
         lw = lw + p_normal(mu[combos[:, 0]], 1.0, zz) - p_normal(mu[kz], 1.0, zz)  # prior proposal, diagonal
         lw = lw + sum(p_normal(zz * w[i], 1.0, Y[i]) for i in range(len(GROUP)) if int(GROUP[i]) == g)
     assert abs(float(mp.get_log_normalizer()) - float(lw.logsumexp(0))) < 1e-9
+
+
+def test_a_model_that_indexes_its_groups_from_the_left_gets_the_fix_named():
+    """``a[county]`` works when the model runs alone but not with MPImportance's samples in batch dims to the left
+    (nor under Pyro's vectorised particles): Pyro's shape error comes with the cause and the fix."""
+    county = torch.tensor([0, 1, 1, 2, 0])
+
+    def model():
+        with pyro.plate("counties", 3):
+            a = pyro.sample("a", dist.Normal(0.0, 1.0))
+        with pyro.plate("homes", 5):
+            pyro.sample("y", dist.Normal(a[county], 1.0), obs=torch.zeros(5))
+
+    with pytest.raises(ValueError, match=r"Shape mismatch(.|\n)*a\[\.\.\., idx\] instead of a\[idx\]"):
+        MPImportance(model, num_samples=4).run()

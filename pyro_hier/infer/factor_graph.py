@@ -698,8 +698,21 @@ def build_factor_graph(
                     f"the model ran out of memory with num_samples={K} samples per site ({e}); use a smaller "
                     "num_samples or subsample the largest plate"
                 ) from e
-            raise
+            raise _vectorisation_error(e, K) from e
+        except (ValueError, IndexError) as e:
+            raise _vectorisation_error(e, K) from e
         return _collect(structure, mtrace, run, guide_info, K, P)
+
+
+def _vectorisation_error(e: Exception, K: int) -> Exception:
+    """The model's error on its vectorised run, with what that run does to it (the usual cause of a shape error in a
+    model that runs alone): an exception of the same type."""
+    return type(e)(
+        f"{e}\n(MPImportance runs the model once with its {K} samples of every latent in batch dims to the left of "
+        "the model's plates, as Pyro's vectorised particles do: a model that fails only then indexes or multiplies "
+        "its latents from the left. Gather group effects with a[..., idx] instead of a[idx], and write X @ beta as "
+        "(X * beta).sum(-1); the model must also run under Trace_ELBO(vectorize_particles=True).)"
+    )
 
 
 def _collect(structure: ModelStructure, mtrace, run: _ModelRun, guide_info: dict | None, K: int, P: int) -> FactorGraph:
