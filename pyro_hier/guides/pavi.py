@@ -736,6 +736,15 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         blocks = self._summary_subsamples or {}  # (Pyro's random subsample, replayed block by block)
         if subsampled and all(c.user_indices and c.name not in blocks for c in subsampled):
             return self._minibatch_expansions(args, kwargs, calls, reference)
+        if torch._C._get_tracing_state() is not None:
+            latent_plates = {p for site in self.structure.latent.values() for p in site.plates}
+            drawn = [c.name for c in subsampled if not c.user_indices and c.name not in latent_plates]
+            if drawn:
+                raise StructureError(
+                    f"{type(self).__name__} cannot expand the likelihood inside a compiled step (JitTrace_ELBO) while "
+                    f"Pyro draws the rows of plate '{drawn[0]}' at random (subsample_size=): pass the indices as an "
+                    f"argument of the model (pyro.plate('{drawn[0]}', N, subsample=idx)), or train with Trace_ELBO."
+                )
         try:
             with keep_random_state():
                 made = self._expand(args, kwargs, calls)

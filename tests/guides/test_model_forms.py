@@ -3,12 +3,15 @@ at random, a global sampled after the groups' plate, crossed plates with one sub
 module attributes, and the replay of Pyro's random subsamples. Each guide does the work where a family exists, and
 gives a clear error naming the level, the plate and the fix where it cannot."""
 
+import math
+import warnings
+
 import pyro
 import pyro.distributions as dist
 import pytest
 import torch
 from pyro import poutine
-from pyro.infer import SVI, Predictive, Trace_ELBO
+from pyro.infer import SVI, JitTrace_ELBO, Predictive, Trace_ELBO
 
 from pyro_hier import (
     AutoAmortizedBranchGuide,
@@ -169,3 +172,23 @@ def test_pavi_with_a_global_sampled_after_the_groups():
     guide = AutoPlateAmortizedFlow(model)
     train(guide, model, county, y, steps=5)
     assert guide.median(county, y)["a"].shape == (J,)
+
+
+@pytest.mark.parametrize(
+    "Guide", [AutoBranchGuide, AutoPlateAmortizedFlow, AutoHierarchicalVM], ids=lambda g: g.__name__
+)
+def test_a_flat_plate_drawn_at_random_in_compiled_steps(Guide):
+    """Under ``JitTrace_ELBO`` the branch guide and the HVM train on the rows drawn at random; PAVI, whose expansion
+    cannot be traced with sizes drawn inside the step, names the fix instead of failing inside torch."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    county, y = homes()
+    guide = Guide(flat_drawn_model)
+    svi = SVI(flat_drawn_model, guide, pyro.optim.Adam({"lr": 0.01}), JitTrace_ELBO())
+    if Guide is AutoPlateAmortizedFlow:
+        with pytest.raises(StructureError, match=r"compiled step.*plate 'data'.*subsample=idx.*Trace_ELBO"):
+            svi.step(county, y)
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the tracer's warnings on the drawn indices)
+        assert all(math.isfinite(svi.step(county, y)) for _ in range(5))
