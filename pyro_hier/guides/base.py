@@ -226,6 +226,36 @@ class HierarchicalGuide(AutoGuide):
                 self._prototype_frames[frame.name] = frame
         self._check_sites(self.structure)
         self._setup_guide(self.structure)
+        if self.master is not None:
+            self._warn_of_hidden_sites()
+
+    #: whether q reads the model's likelihood on its calls (conjugate levels, expansions): a hook
+    _reads_likelihood = False
+
+    def _warn_of_hidden_sites(self) -> None:
+        """In an ``AutoGuideList``, continuous latent sites of the whole model that this part's model hides
+        (``poutine.block``) take prior draws in the runs of the model this guide makes to read the likelihood (its
+        references, its expansions): said, with the fix, where the guide reads it."""
+        assert self.structure is not None
+        whole = getattr(self.master(), "prototype_trace", None)
+        if whole is None or not self._reads_likelihood:
+            return
+        hidden = [
+            name
+            for name, site in whole.nodes.items()
+            if site["type"] == "sample"
+            and not site["is_observed"]
+            and not site["fn"].support.is_discrete
+            and name not in self.structure.latent
+        ]
+        if hidden:
+            warnings.warn(
+                f"{type(self).__name__} reads the model's likelihood, and the continuous site(s) {hidden} are hidden "
+                "from it (poutine.block, in an AutoGuideList): its runs of the model draw them from their prior, so "
+                "what it reads of the likelihood is noisy. Give those sites to this guide, or build it with "
+                "conditional='linear' (AutoBranchGuide) or conditional='pushforward' (AutoPlateAmortizedFlow).",
+                stacklevel=3,
+            )
 
     def _check_sites(self, structure: ModelStructure) -> None:
         """Refuse latent sites the guide cannot represent: discrete sites must be enumerated (the guide then covers

@@ -1404,6 +1404,10 @@ class AutoBranchGuide(HierarchicalGuide):
         return self._level_distribution(level, values, plates)  # parameters read (and cut) outside the plates
 
     @property
+    def _reads_likelihood(self) -> bool:  # (the conjugate levels' references)
+        return bool(self.conjugate_levels)
+
+    @property
     def _call_reading_levels(self) -> tuple[str, ...]:
         """Levels whose q reads the data of the call it is given (summaries of their groups need all the data)."""
         return self._prior_reading_levels

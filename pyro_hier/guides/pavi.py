@@ -1216,6 +1216,10 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             q = StickingTheLanding(q, push_forward(twin["flows"][key], twin["affines"][key], context))
         return q, maps
 
+    @property
+    def _reads_likelihood(self) -> bool:  # (the expanded sites' pseudo-observations)
+        return bool(self._expanded_sites)
+
     def _conditional_q0(
         self, name: str, fn: dist.TorchDistribution, cascade: _Cascade
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,6 +12,7 @@ import pytest
 import torch
 from pyro import poutine
 from pyro.infer import SVI, JitTrace_ELBO, Predictive, Trace_ELBO
+from pyro.infer.autoguide import AutoGuideList, AutoNormal
 
 from pyro_hier import (
     AutoAmortizedBranchGuide,
@@ -192,3 +193,24 @@ def test_a_flat_plate_drawn_at_random_in_compiled_steps(Guide):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (the tracer's warnings on the drawn indices)
         assert all(math.isfinite(svi.step(county, y)) for _ in range(5))
+
+
+def test_a_part_of_a_guide_list_that_reads_the_likelihood_says_which_sites_are_hidden_from_it():
+    """In an ``AutoGuideList`` whose branch part has the noise scale hidden (``poutine.block``), the part's runs of
+    the model draw it from its prior: said with the fix, once, when the part is set up."""
+    pyro.clear_param_store()
+    county, y = homes()
+
+    def model(county, y):
+        mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+        with pyro.plate("counties", J):
+            a = pyro.sample("a", dist.Normal(mu, 1.0))
+        sigma = pyro.sample("sigma", dist.HalfNormal(1.0))
+        with pyro.plate("data", N):
+            pyro.sample("y", dist.Normal(a[..., county], sigma), obs=y)
+
+    guides = AutoGuideList(model)
+    guides.append(AutoBranchGuide(poutine.block(model, hide=["sigma"])))
+    guides.append(AutoNormal(poutine.block(model, expose=["sigma"])))
+    with pytest.warns(UserWarning, match=r"\['sigma'\] are hidden.*conditional='linear'"):
+        guides(county, y)
