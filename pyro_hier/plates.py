@@ -13,6 +13,7 @@ guide reads them inside its plates.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ __all__ = [
     "GatheredRows",
     "PlateCall",
     "ReplaySubsamples",
+    "RowBlock",
     "call_key",
     "capture_plates",
     "check_plate_sizes",
@@ -38,6 +40,7 @@ __all__ = [
     "gathered_rows",
     "open_plates",
     "plate_indices",
+    "row_blocks",
 ]
 
 
@@ -84,6 +87,78 @@ class ReplaySubsamples(Messenger):
     def _pyro_sample(self, msg) -> None:
         if isinstance(msg["fn"], _Subsample) and msg["value"] is None and msg["name"] in self.subsamples:
             msg["value"], msg["done"] = self.subsamples[msg["name"]], True
+
+
+class RowBlock(Messenger):
+    r"""One block of a sum over *all* the rows of plates that Pyro subsamples at random, run as the model's call on
+    ``B`` of them (Pyro cannot open such a plate in full). Made by :func:`row_blocks`, whose blocks together count
+    every row once: the block's rows are replayed as the plates' subsample (``indices``); sites in these plates are
+    masked where a row repeats an earlier block's (``keep``) and their scale divided by Pyro's ``N/B``, and sites in
+    none of them count in the first block only. Summing any quantity linear in the model's log density over the
+    blocks (a log likelihood, its gradient and curvature in a group's effect) then gives its value on all the rows:
+
+    .. math:: \sum_b \Big[\sum_{i \in b,\ \mathrm{keep}} \ell_i + [b = 0] \, r\Big] = \sum_{i=1}^N \ell_i + r.
+
+    Example::
+
+        total = sum(poutine.trace(block(model)).get_trace().log_prob_sum() for block in row_blocks({"data": (200, 50)}))
+    """
+
+    def __init__(
+        self,
+        indices: Mapping[str, torch.Tensor],
+        keep: Mapping[str, torch.Tensor],
+        factor: Mapping[str, float],
+        first: bool,
+    ):
+        super().__init__()
+        self.indices, self.keep, self.factor, self.first = dict(indices), dict(keep), dict(factor), first
+
+    def __call__(self, fn: Callable) -> Callable:
+        replay = ReplaySubsamples(self.indices)
+
+        def run(*args, **kwargs):
+            with replay, self:
+                return fn(*args, **kwargs)
+
+        return run
+
+    def _pyro_sample(self, msg) -> None:
+        if isinstance(msg["fn"], _Subsample):
+            return
+        frames = [f for f in msg["cond_indep_stack"] if f.name in self.keep]
+        if not frames:
+            if not self.first:
+                msg["mask"] = False if msg["mask"] is None else msg["mask"] & False
+            return
+        for f in frames:
+            keep = self.keep[f.name].reshape((-1,) + (1,) * (-1 - f.dim))
+            msg["mask"] = keep if msg["mask"] is None else msg["mask"] & keep
+            msg["scale"] = msg["scale"] * self.factor[f.name]
+
+
+def row_blocks(plates: Mapping[str, tuple[int, int]], device: torch.device | str | None = None) -> list[RowBlock]:
+    """Blocks of ``B`` consecutive rows covering each plate of ``N`` rows once (``plates[name] = (N, B)``; the last
+    block wraps around to the first rows and masks them), one :class:`RowBlock` per combination of the plates'
+    blocks."""
+    per_plate = []
+    for name, (size, block) in plates.items():
+        parts = []
+        for start in range(0, size, block):
+            at = torch.arange(start, start + block, device=device)
+            parts.append((name, at % size, at < size, block / size))
+        per_plate.append(parts)
+    blocks = []
+    for k, combination in enumerate(itertools.product(*per_plate)):
+        blocks.append(
+            RowBlock(
+                {n: i for n, i, _, _ in combination},
+                {n: m for n, _, m, _ in combination},
+                {n: f for n, _, _, f in combination},
+                first=k == 0,
+            )
+        )
+    return blocks
 
 
 class _AllPlatesSeen(Exception):

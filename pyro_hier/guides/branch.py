@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 
 import pyro
@@ -35,7 +35,7 @@ from pyro_hier.gather_maps import CallGathers, GatherMaps, full_call_gathers, fu
 from pyro_hier.gathers import keep_random_state
 from pyro_hier.guides.base import HierarchicalGuide, concat_broadcast
 from pyro_hier.optim import tail_average_update
-from pyro_hier.plates import PlateCall, element_selection, enter_plates, plate_indices
+from pyro_hier.plates import PlateCall, element_selection, enter_plates, plate_indices, row_blocks
 from pyro_hier.sparse import select_elements
 from pyro_hier.structure import ModelStructure, PlateLevel, StructureError
 from pyro_hier.transforms import positive, positive_inv, raw_from_scale_tril, scale_tril_from_raw
@@ -473,24 +473,46 @@ class AutoBranchGuide(HierarchicalGuide):
         latent sites at ``at``, on the call ``args``, ``kwargs`` with the plates' ``subsamples`` (and its
         ``collapse``); ``curvature=False``: the gradient alone."""
 
+        rows = self._drawn_rows(subsamples)
+        blocks = row_blocks(rows, device=next(iter(subsamples.values())).device) if rows else [None]
+        given = {n: i for n, i in subsamples.items() if n not in rows}
+
         def expand(
             at: dict, u: torch.Tensor | None = None, curvature: bool = True
         ) -> tuple[torch.Tensor, torch.Tensor]:
-            return element_expansion(
-                self.model,
-                args,
-                kwargs,
-                at,
-                centres[level.name] if u is None else u,
-                lambda v: self._level_values(level, v),
-                scale,
-                subsamples,
-                observed=observed,
-                collapse=collapse,
-                curvature=curvature,
-            )
+            total = None
+            for block in blocks:  # (a plate of rows drawn at random: its rows block by block, each counted once)
+                part = element_expansion(
+                    self.model if block is None else block(self.model),
+                    args,
+                    kwargs,
+                    at,
+                    centres[level.name] if u is None else u,
+                    lambda v: self._level_values(level, v),
+                    scale,
+                    given,
+                    observed=observed,
+                    collapse=collapse,
+                    curvature=curvature,
+                )
+                total = part if total is None else tuple(a if b is None else a + b for a, b in zip(total, part))
+            assert total is not None
+            return total
 
         return expand
+
+    def _drawn_rows(self, subsamples: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
+        """The plates of this call that Pyro subsampled at random and that hold no latent site (a flat plate of
+        observations, ``pyro.plate("data", N, subsample_size=B)``), ``{name: (N, B)}``: the references read all
+        their rows (:func:`~pyro_hier.plates.row_blocks`), so that q of a group does not depend on the minibatch."""
+        assert self.structure is not None
+        latent = {p for site in self.structure.latent.values() for p in site.plates}
+        drawn = getattr(self, "drawn_plates", ())
+        return {
+            n: (self.structure.plates[n].size, int(i.shape[0]))
+            for n, i in subsamples.items()
+            if n in drawn and n not in latent and int(i.shape[0]) < self.structure.plates[n].size
+        }
 
     def _slope_nodes(
         self, level: PlateLevel, curvature: torch.Tensor, moved: Callable[[], torch.Tensor]

@@ -214,3 +214,35 @@ def test_a_part_of_a_guide_list_that_reads_the_likelihood_says_which_sites_are_h
     guides.append(AutoNormal(poutine.block(model, expose=["sigma"])))
     with pytest.warns(UserWarning, match=r"\['sigma'\] are hidden.*conditional='linear'"):
         guides(county, y)
+
+
+def test_branch_references_read_every_row_of_a_plate_drawn_at_random():
+    """The branch guide's references of the counties (prior conditional times the likelihood's expansion) read all
+    203 homes block by block (4 blocks of 50 and one that wraps around, masked), not the 50 of the call: the same,
+    to rounding, as on the model that opens every home; q of a county then does not depend on the minibatch (on radon
+    with 100 of 919 homes drawn at random it was 1.27 sd off, against AutoNormal's 0.78, before)."""
+    g = torch.Generator().manual_seed(2)
+    county, y = torch.randint(0, J, (203,), generator=g), torch.randn(203, generator=g)
+
+    def make(size):
+        def model(county, y):
+            mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+            tau = pyro.sample("tau", dist.HalfNormal(1.0))
+            with pyro.plate("counties", J):
+                a = pyro.sample("a", dist.Normal(mu, tau))
+            sigma = pyro.sample("sigma", dist.HalfNormal(1.0))
+            with pyro.plate("data", 203, subsample_size=size) as i:
+                pyro.sample("y", dist.Normal(a[..., county[i]], sigma), obs=y[i])
+
+        return model
+
+    references = []
+    for size in (None, 50):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        guide = AutoBranchGuide(make(size))
+        guide(county, y)
+        references.append({n: p.detach() for n, p in guide.named_parameters() if n.startswith("references.")})
+    assert references[0].keys() == references[1].keys()
+    for name, value in references[0].items():
+        torch.testing.assert_close(references[1][name], value, rtol=1e-4, atol=1e-4, msg=name)
