@@ -506,12 +506,15 @@ class AutoBranchGuide(HierarchicalGuide):
         observations, ``pyro.plate("data", N, subsample_size=B)``), ``{name: (N, B)}``: the references read all
         their rows (:func:`~pyro_hier.plates.row_blocks`), so that q of a group does not depend on the minibatch."""
         assert self.structure is not None
-        latent = {p for site in self.structure.latent.values() for p in site.plates}
-        drawn = getattr(self, "drawn_plates", ())
+        s = self.structure
+        latent = {p for site in s.latent.values() for p in site.plates}
         return {
-            n: (self.structure.plates[n].size, int(i.shape[0]))
+            n: (s.plates[n].size, int(i.shape[0]))
             for n, i in subsamples.items()
-            if n in drawn and n not in latent and int(i.shape[0]) < self.structure.plates[n].size
+            if n in s.plates
+            and n not in latent
+            and s.plates[n].subsample is None
+            and int(i.shape[0]) < s.plates[n].size
         }
 
     def _slope_nodes(
