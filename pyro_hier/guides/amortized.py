@@ -815,7 +815,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         key = (call_key(args, kwargs), torch.is_grad_enabled())
         calls_done = float(self.references.training_calls.detach()) if hasattr(self.references, "training_calls") else 0
         cached = self._expansion_cache
-        rows = self._drawn_rows({p: c.indices for p, c in calls.items()})  # (read in full whatever the draw)
+        rows = self.drawn_rows({p: c.indices for p, c in calls.items()})  # (read in full whatever the draw)
         held = {p: c.indices for p, c in calls.items() if p not in rows}
         if cached is not None and cached[0] == key and not _same_indices(cached[4], held):
             cached = None  # the same arguments, but Pyro drew other elements (subsample_size=)
@@ -901,7 +901,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         """:meth:`_expansions` of this call's elements, from the model's call on all the data when this call's rows
         do not hold all the data of its groups."""
         # (plates of rows Pyro draws at random are read block by block, every row: _level_expander)
-        rows = self._drawn_rows({n: c.indices for n, c in calls.items()})
+        rows = self.drawn_rows({n: c.indices for n, c in calls.items()})
         whole = {
             n: PlateCall(n, c.size, torch.arange(c.size, device=c.indices.device), False) if n in rows else c
             for n, c in calls.items()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 
 import pyro
@@ -473,7 +473,7 @@ class AutoBranchGuide(HierarchicalGuide):
         latent sites at ``at``, on the call ``args``, ``kwargs`` with the plates' ``subsamples`` (and its
         ``collapse``); ``curvature=False``: the gradient alone."""
 
-        rows = self._drawn_rows(subsamples)
+        rows = self.drawn_rows(subsamples)
         blocks = row_blocks(rows, device=next(iter(subsamples.values())).device) if rows else [None]
         given = {n: i for n, i in subsamples.items() if n not in rows}
 
@@ -500,22 +500,6 @@ class AutoBranchGuide(HierarchicalGuide):
             return total
 
         return expand
-
-    def _drawn_rows(self, subsamples: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
-        """The plates of this call that Pyro subsampled at random and that hold no latent site (a flat plate of
-        observations, ``pyro.plate("data", N, subsample_size=B)``), ``{name: (N, B)}``: the references read all
-        their rows (:func:`~pyro_hier.plates.row_blocks`), so that q of a group does not depend on the minibatch."""
-        assert self.structure is not None
-        s = self.structure
-        latent = {p for site in s.latent.values() for p in site.plates}
-        return {
-            n: (s.plates[n].size, int(i.shape[0]))
-            for n, i in subsamples.items()
-            if n in s.plates
-            and n not in latent
-            and s.plates[n].subsample is None
-            and int(i.shape[0]) < s.plates[n].size
-        }
 
     def _slope_nodes(
         self, level: PlateLevel, curvature: torch.Tensor, moved: Callable[[], torch.Tensor]
