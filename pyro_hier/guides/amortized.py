@@ -815,7 +815,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         key = (call_key(args, kwargs), torch.is_grad_enabled())
         calls_done = float(self.references.training_calls.detach()) if hasattr(self.references, "training_calls") else 0
         cached = self._expansion_cache
-        rows = self.drawn_rows({p: c.indices for p, c in calls.items()})  # (read in full whatever the draw)
+        rows = self.drawn_rows(calls)  # (read in full whatever the draw)
         held = {p: c.indices for p, c in calls.items() if p not in rows}
         if cached is not None and cached[0] == key and not _same_indices(cached[4], held):
             cached = None  # the same arguments, but Pyro drew other elements (subsample_size=)
@@ -901,7 +901,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         """:meth:`_expansions` of this call's elements, from the model's call on all the data when this call's rows
         do not hold all the data of its groups."""
         # (plates of rows Pyro draws at random are read block by block, every row: _level_expander)
-        rows = self.drawn_rows({n: c.indices for n, c in calls.items()})
+        rows = self.drawn_rows(calls)
         whole = {
             n: PlateCall(n, c.size, torch.arange(c.size, device=c.indices.device), False) if n in rows else c
             for n, c in calls.items()
@@ -960,7 +960,9 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
                 1, math.prod(int(calls[p].indices.shape[0]) for p in level.plates)
             )
             collapse = self._children_integrated(level, made)
-            expand = self._level_expander(args, kwargs, level, centres, scale, subsamples, observed, collapse)
+            expand = self._level_expander(
+                args, kwargs, level, centres, scale, subsamples, observed, collapse, self.drawn_rows(calls)
+            )
 
             centre = centres[name]
             iterate = collapse is None and EXPANSION_NEWTON_STEPS > 0

@@ -293,21 +293,17 @@ class HierarchicalGuide(AutoGuide):
         names.update(dict.fromkeys(n for n, p in s.plates.items() if p.subsampled and p.subsample is None and p.dim))
         return tuple(names)
 
-    def drawn_rows(self, subsamples: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
+    def drawn_rows(self, calls: Mapping[str, PlateCall]) -> dict[str, tuple[int, int]]:
         """The plates of this call that Pyro subsampled at random and that hold no latent site (a flat plate of
         observations, ``pyro.plate("data", N, subsample_size=B)``), ``{name: (N, B)}``: what a guide reads of the
         likelihood (references, expansions) reads all their rows (:func:`~pyro_hier.plates.row_blocks`), so that q
         of a group does not depend on the minibatch."""
         assert self.structure is not None
-        s = self.structure
-        latent = {p for site in s.latent.values() for p in site.plates}
+        latent = {p for site in self.structure.latent.values() for p in site.plates}
         return {
-            n: (s.plates[n].size, int(i.shape[0]))
-            for n, i in subsamples.items()
-            if n in s.plates
-            and n not in latent
-            and s.plates[n].subsample is None
-            and int(i.shape[0]) < s.plates[n].size
+            n: (c.size, int(c.indices.shape[0]))
+            for n, c in calls.items()
+            if c.subsampled and not c.user_indices and n not in latent
         }
 
     def _create_plates(self, *args, **kwargs) -> dict[str, pyro.plate]:

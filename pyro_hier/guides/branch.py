@@ -467,13 +467,18 @@ class AutoBranchGuide(HierarchicalGuide):
         subsamples: dict[str, torch.Tensor],
         observed: Iterable[str] = (),
         collapse: Callable | None = None,
+        rows: dict[str, tuple[int, int]] | None = None,
     ) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
         """``expand(at, u=None, curvature=True)``: :func:`~pyro_hier.conjugate.element_expansion` of the rest of the
         model at ``level``'s element vectors ``u`` (by default ``centres[level.name]``, read when called), the other
         latent sites at ``at``, on the call ``args``, ``kwargs`` with the plates' ``subsamples`` (and its
-        ``collapse``); ``curvature=False``: the gradient alone."""
-
-        rows = self.drawn_rows(subsamples)
+        ``collapse``); ``curvature=False``: the gradient alone. Plates of rows Pyro drew at random (``rows``, by
+        default those of this call's plates: :meth:`drawn_rows`) are read in full, block by block."""
+        assert self.structure is not None
+        if rows is None:
+            drawn = getattr(self, "drawn_plates", ())
+            sizes = {n: self.structure.plates[n].size for n in subsamples if n in self.structure.plates}
+            rows = self.drawn_rows({n: PlateCall(n, sizes[n], subsamples[n], n not in drawn) for n in sizes})
         blocks = row_blocks(rows, device=next(iter(subsamples.values())).device) if rows else [None]
         given = {n: i for n, i in subsamples.items() if n not in rows}
 
