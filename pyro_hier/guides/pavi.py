@@ -1023,7 +1023,15 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         if self.tail_average is None or torch.is_grad_enabled():
             return False
         averages = self._modules.get("averages")
-        return averages is not None and "count" in averages._pyro_params and float(averages.count) > 0
+        if averages is None or "count" not in averages._pyro_params:
+            return False
+        # the store's tensor as it is when the module holds it already (no pyro.param statement: this call optimises
+        # nothing), else read through Pyro, which adopts the store's (e.g. after pyro.get_param_store().load)
+        count = averages._parameters["count_unconstrained"]
+        store, name = pyro.get_param_store(), averages._pyro_get_fullname("count")
+        if name not in store or store[name].unconstrained() is not count:
+            count = averages.count
+        return float(count) > 0
 
     @contextmanager
     def _parameters_in_use(self) -> Iterator[None]:
