@@ -870,8 +870,10 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         r"""The model's pseudo-observation of each expanded site: the second-order expansion of the rest of the model
         (its likelihood) at the reference — the globals at ``ref_mean``, the plated sites at their prior conditional's
         mean there (:func:`~pyro_hier.conjugate.element_expansion`), or where the likelihood is not Gaussian in the
-        site at each element's conditional mode (:func:`~pyro_hier.conjugate.conditional_mode`, from the elements'
-        last modes) — as a Gaussian potential
+        site at each element's conditional mode: line-searched Newton steps to it
+        (:func:`~pyro_hier.conjugate.conditional_mode`) the first time, then at the mode of the last read, from which
+        the pseudo-observation's mean is one Newton step towards the new mode (the steps again where that step is
+        longer than one conditional sd: :func:`_newton_step`) — as a Gaussian potential
         :math:`ar\Lambda_i = F_i`, :math:`ar\eta_i = F_i c_i + g_i` (the likelihood itself where it is Gaussian in
         the site), with the slopes of :math:`\eta` and of :math:`\log\sqrt{\mathrm{diag}\,\Lambda}` on the globals
         read by central differences at ``ref_sd`` (:data:`~pyro_hier.guides.branch.SLOPE_NODES` of them where the
@@ -941,23 +943,28 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                 moved = expand(values, centre + 1.0)[1]
                 tolerance = 1e-6 * float(curvature.abs().max()) + 1e-12
                 quadratic = self._quadratic[name] = bool(torch.allclose(moved, curvature, rtol=1e-4, atol=tolerance))
-            if not quadratic:  # the likelihood's Laplace approximation: expanded at each element's conditional mode
+            if not quadratic:  # the likelihood's Laplace approximation: expanded at (about) each element's mode
                 warm = modes.get(name)
-                if warm is not None and warm.shape == centre.shape:
+                cold = True
+                if warm is not None and warm.shape == centre.shape:  # the last mode: a Newton step from it is q0's mean
                     centre = warm
                     gradient, curvature = expand(values, centre)
-                centre, gradient, curvature = conditional_mode(
-                    prior,
-                    centre,
-                    gradient,
-                    curvature,
-                    lambda u, curvature=True, expand=expand: expand(values, u, curvature=curvature),
-                    floor,
-                    diagonal,
-                    EXPANSION_NEWTON_STEPS,
-                    EXPANSION_NEWTON_TOLERANCE if centre.dtype == torch.float64 else 1e-3,
-                )
-                modes[name] = centre
+                    mean, within = _newton_step(prior, gradient, curvature, centre, diagonal, floor)
+                    cold = not within
+                if cold:  # line-searched Newton steps to the mode (a plain step from afar can overshoot far)
+                    centre, gradient, curvature = conditional_mode(
+                        prior,
+                        centre,
+                        gradient,
+                        curvature,
+                        lambda u, curvature=True, expand=expand: expand(values, u, curvature=curvature),
+                        floor,
+                        diagonal,
+                        EXPANSION_NEWTON_STEPS,
+                        EXPANSION_NEWTON_TOLERANCE if centre.dtype == torch.float64 else 1e-3,
+                    )
+                    mean = centre
+                modes[name] = mean
 
             info, natural = pseudo_observation(gradient, curvature, centre, diagonal)
             slopes = None
@@ -1621,6 +1628,26 @@ def predicted_expansions(old: dict, moved: torch.Tensor, new: dict, tol: float =
             if bool(((a - b).abs() > 5 * tol * float(b.abs().max()) + tiny).any()):
                 return False
     return True
+
+
+def _newton_step(
+    prior: GaussianPrior,
+    gradient: torch.Tensor,
+    curvature: torch.Tensor,
+    centre: torch.Tensor,
+    diagonal: bool,
+    floor: torch.Tensor,
+) -> tuple[torch.Tensor, bool]:
+    r"""The mean of the prior conditional times the expansion at ``centre`` — one Newton step from ``centre`` towards
+    the element's conditional mode — and whether every element's step is within one conditional sd
+    (:math:`|\Delta u_k| \sqrt{F_{kk} + P_{0,kk}} \le 1`), where the step's own error (of second order in it) is a
+    small fraction of that sd."""
+    info, natural = pseudo_observation(gradient, curvature, centre, diagonal)
+    mean, _ = gaussian_update(prior, info, natural)
+    p0 = prior.precision if prior.diagonal else prior.precision.diagonal(dim1=-2, dim2=-1)
+    f = curvature.diagonal(dim1=-2, dim2=-1).clamp(min=floor)
+    size = ((mean - centre).abs() * (f + p0).sqrt()).amax()
+    return mean, bool(torch.isfinite(mean).all()) and float(size) <= 1.0
 
 
 def _natural_at(gradient: torch.Tensor, curvature: torch.Tensor, centre: torch.Tensor, diagonal: bool) -> torch.Tensor:
