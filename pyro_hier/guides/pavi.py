@@ -871,9 +871,10 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         (its likelihood) at the reference — the globals at ``ref_mean``, the plated sites at their prior conditional's
         mean there (:func:`~pyro_hier.conjugate.element_expansion`), or where the likelihood is not Gaussian in the
         site at each element's conditional mode: line-searched Newton steps to it
-        (:func:`~pyro_hier.conjugate.conditional_mode`) the first time, then at the mode of the last read, from which
-        the pseudo-observation's mean is one Newton step towards the new mode (the steps again where that step is
-        longer than one conditional sd: :func:`_newton_step`) — as a Gaussian potential
+        (:func:`~pyro_hier.conjugate.conditional_mode`) the first time, then plain Newton steps from the mode of the
+        last read while they stay within one conditional sd (:func:`_newton_step`; the line-searched steps otherwise),
+        to the same tolerance, so that the expansion is a function of the guide's state, not of its path — as a
+        Gaussian potential
         :math:`ar\Lambda_i = F_i`, :math:`ar\eta_i = F_i c_i + g_i` (the likelihood itself where it is Gaussian in
         the site), with the slopes of :math:`\eta` and of :math:`\log\sqrt{\mathrm{diag}\,\Lambda}` on the globals
         read by central differences at ``ref_sd`` (:data:`~pyro_hier.guides.branch.SLOPE_NODES` of them where the
@@ -945,12 +946,20 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                 quadratic = self._quadratic[name] = bool(torch.allclose(moved, curvature, rtol=1e-4, atol=tolerance))
             if not quadratic:  # the likelihood's Laplace approximation: expanded at (about) each element's mode
                 warm = modes.get(name)
+                tolerance = EXPANSION_NEWTON_TOLERANCE if centre.dtype == torch.float64 else 1e-3
                 cold = True
-                if warm is not None and warm.shape == centre.shape:  # the last mode: a Newton step from it is q0's mean
+                if warm is not None and warm.shape == centre.shape:  # plain Newton steps from the last mode
                     centre = warm
                     gradient, curvature = expand(values, centre)
-                    mean, within = _newton_step(prior, gradient, curvature, centre, diagonal, floor)
-                    cold = not within
+                    for _ in range(EXPANSION_NEWTON_STEPS):
+                        mean, within, step = _newton_step(prior, gradient, curvature, centre, diagonal, floor)
+                        if not within:
+                            break
+                        centre = mean
+                        gradient, curvature = expand(values, centre)
+                        if step < tolerance:
+                            cold = False
+                            break
                 if cold:  # line-searched Newton steps to the mode (a plain step from afar can overshoot far)
                     centre, gradient, curvature = conditional_mode(
                         prior,
@@ -961,10 +970,9 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                         floor,
                         diagonal,
                         EXPANSION_NEWTON_STEPS,
-                        EXPANSION_NEWTON_TOLERANCE if centre.dtype == torch.float64 else 1e-3,
+                        tolerance,
                     )
-                    mean = centre
-                modes[name] = mean
+                modes[name] = centre
 
             info, natural = pseudo_observation(gradient, curvature, centre, diagonal)
             slopes = None
@@ -1637,17 +1645,19 @@ def _newton_step(
     centre: torch.Tensor,
     diagonal: bool,
     floor: torch.Tensor,
-) -> tuple[torch.Tensor, bool]:
+) -> tuple[torch.Tensor, bool, float]:
     r"""The mean of the prior conditional times the expansion at ``centre`` — one Newton step from ``centre`` towards
-    the element's conditional mode — and whether every element's step is within one conditional sd
-    (:math:`|\Delta u_k| \sqrt{F_{kk} + P_{0,kk}} \le 1`), where the step's own error (of second order in it) is a
-    small fraction of that sd."""
+    the element's conditional mode —, whether every element's step is within one conditional sd
+    (:math:`|\Delta u_k| \sqrt{F_{kk} + P_{0,kk}} \le 1`: near the mode, where a plain step does not overshoot far),
+    and the largest step in prior sds (as :func:`~pyro_hier.conjugate.conditional_mode` measures it)."""
     info, natural = pseudo_observation(gradient, curvature, centre, diagonal)
     mean, _ = gaussian_update(prior, info, natural)
     p0 = prior.precision if prior.diagonal else prior.precision.diagonal(dim1=-2, dim2=-1)
     f = curvature.diagonal(dim1=-2, dim2=-1).clamp(min=floor)
-    size = ((mean - centre).abs() * (f + p0).sqrt()).amax()
-    return mean, bool(torch.isfinite(mean).all()) and float(size) <= 1.0
+    moved = (mean - centre).abs()
+    size = (moved * (f + p0).sqrt()).amax()
+    within = bool(torch.isfinite(mean).all()) and float(size) <= 1.0
+    return mean, within, float((moved * p0.sqrt()).amax())
 
 
 def _natural_at(gradient: torch.Tensor, curvature: torch.Tensor, centre: torch.Tensor, diagonal: bool) -> torch.Tensor:
