@@ -54,7 +54,7 @@ from pyro_hier.local_data import (
 )
 from pyro_hier.nn import PackedParameters
 from pyro_hier.optim import tail_average_update
-from pyro_hier.plates import PlateRecorder, capture_plates
+from pyro_hier.plates import PlateRecorder, capture_plates, row_blocks
 from pyro_hier.structure import LatentSite, ModelStructure
 
 __all__ = ["AutoPlateAmortizedFlow"]
@@ -752,7 +752,11 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         reference = ()
         if self._global_level is not None:  # the reference is part of the key (a new one, or a loaded state)
             reference = tuple(self._state("ref_mean").tolist()) + tuple(self._state("ref_sd").tolist())
-        key = self._call_key(args, kwargs, calls if self.structure.subsampled_plates else None) + reference
+        keyed = calls  # (rows drawn at random are all read, whatever the draw: not part of the key)
+        if calls is not None:
+            rows = self.drawn_rows(calls)
+            keyed = {n: c for n, c in calls.items() if n not in rows}
+        key = self._call_key(args, kwargs, keyed if self.structure.subsampled_plates else None) + reference
         if self._expansion is not None and self._expansion[0] == key:
             return self._expansion[1]
         if previous is not None:  # the same call at the previous reference?
@@ -915,8 +919,12 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                 centres[name] = u
                 values[name] = self._site_value(name, u)
         observed = [n for n, site in s.observed.items() if not is_factor(site.fn)]
+        rows = self.drawn_rows(calls)  # (a plate of rows drawn at random: read in full, whatever the draw)
+        blocks = row_blocks(rows, device=next(iter(subsamples.values())).device) if rows else [None]
+        given = {n: i for n, i in subsamples.items() if n not in rows}
         made = {}
-        call_key = self._call_key(args, kwargs, calls)  # the last conditional modes of the same elements: a warm start
+        # the last conditional modes of the same elements: a warm start
+        call_key = self._call_key(args, kwargs, {n: c for n, c in calls.items() if n not in rows})
         modes = self._modes[1] if self._modes is not None and self._modes[0] == call_key else {}
         self._modes = (call_key, modes)
         for name in self._expanded_sites:
@@ -929,18 +937,23 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             def expand(
                 at: dict, u: torch.Tensor, name: str = name, scale: float = scale, curvature: bool = True
             ) -> tuple:
-                return element_expansion(
-                    self.user_model,  # (every latent site is given: the init strategy's values would go unused)
-                    args,
-                    kwargs,
-                    at,
-                    u,
-                    lambda v: {name: self._site_value(name, v)},
-                    scale,
-                    subsamples,
-                    observed=observed,
-                    curvature=curvature,
-                )
+                total = None
+                for block in blocks:  # (a plate of rows drawn at random: every row, block by block)
+                    part = element_expansion(
+                        # (every latent site is given: the init strategy's values would go unused)
+                        self.user_model if block is None else block(self.user_model),
+                        args,
+                        kwargs,
+                        at,
+                        u,
+                        lambda v: {name: self._site_value(name, v)},
+                        scale,
+                        given,
+                        observed=observed,
+                        curvature=curvature,
+                    )
+                    total = part if total is None else tuple(a if b is None else a + b for a, b in zip(total, part))
+                return total
 
             centre = centres[name]
             gradient, curvature = expand(values, centre)
