@@ -24,6 +24,7 @@ from pyro_hier.conjugate import (
     gaussian_update,
     precision_to_scale_tril,
     pseudo_observation,
+    smoothed_pseudo_observation,
 )
 from pyro_hier.distributions import StickingTheLanding
 from pyro_hier.errors import StructureError
@@ -70,6 +71,12 @@ EXPANSION_EVERY = 10
 EXPANSION_TOLERANCE = 0.05
 EXPANSION_NEWTON_STEPS = 8
 EXPANSION_NEWTON_TOLERANCE = 1e-6  # (in float32 no finer than 1e-3: the gradient's rounding)
+#: fixed-point steps (at most) that take a leaf level's expansion at its conditional mode (Laplace) to the Gaussian
+#: optimum of the ELBO at the globals' mean where its likelihood is not Gaussian in it
+#: (:func:`~pyro_hier.conjugate.smoothed_pseudo_observation`), and the move of q's mean (in its sds) below which they
+#: stop
+EXPANSION_SMOOTHED_STEPS = 4
+EXPANSION_SMOOTHED_TOLERANCE = 1e-3
 
 
 @dataclass(frozen=True)
@@ -957,6 +964,16 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
                 self._keep_centre(level, calls, centre)
                 values.update(self._level_values(level, centre))
             info, natural = pseudo_observation(gradient, curvature, centre, self._is_diagonal(level))
+            if iterate and not self._quadratic[name] and EXPANSION_SMOOTHED_STEPS > 0:
+                info, natural = smoothed_pseudo_observation(
+                    self._level_prior(level, {s: self._prior_fns[s] for s in level.sites}),
+                    info,
+                    natural,
+                    lambda u, at=values, f=expand: f(at, u, curvature=False)[0],
+                    self._is_diagonal(level),
+                    EXPANSION_SMOOTHED_STEPS,
+                    EXPANSION_SMOOTHED_TOLERANCE,
+                )
             slopes = None
             nodes = self._slope_nodes(level, curvature, lambda at=values, u=centre, f=expand: f(at, u + 1.0)[1])
             if nodes is not None:
