@@ -687,7 +687,9 @@ def smoothed_pseudo_observation(
     .. math:: \Lambda_i \leftarrow E_q[F]_+, \qquad \eta_i \leftarrow \Lambda_i\, m_q + E_q[g]
 
     (Opper & Archambeau 2009's stationary conditions; Khan & Lin 2017's conjugate-computation step of size 1), up to
-    ``steps`` times, stopped once no element's mean moves by more than ``tolerance`` of its sd under q.
+    ``steps`` times, stopped once a step moved no element's mean by more than ``tolerance`` of its sd under q (each
+    step costs ``2d`` gradients of the rest; from the conditional mode the first moves q most of the way: typically
+    two are taken).
     ``rest_gradient(u)`` is the rest's gradient at element vectors ``u (..., d)`` (:func:`element_expansion` with
     ``curvature=False``). Elements whose averaged expansion is not finite keep their last pseudo-observation.
 
@@ -707,6 +709,10 @@ def smoothed_pseudo_observation(
     last = None
     for _ in range(steps):
         loc, scale = gaussian_update(prior, precision, natural)
+        sd = scale if scale.dim() == loc.dim() else scale.pow(2).sum(-1).sqrt()
+        if last is not None and float(((loc - last).abs() / sd).amax()) < tolerance:
+            break  # (the last step moved q's mean by less than the tolerance: no further expansion)
+        last = loc
         gradient, curvature = smoothed_expansion(rest_gradient, loc, scale)
         if diagonal and curvature.dim() > loc.dim():  # (a prior with a full precision: its diagonal kept)
             curvature = curvature.diagonal(dim1=-2, dim2=-1)
@@ -716,10 +722,6 @@ def smoothed_pseudo_observation(
         ok = ok & torch.isfinite(curvature.flatten(-1 if diagonal else -2)).all(-1)
         precision = torch.where(ok.unsqueeze(-1) if diagonal else ok[..., None, None], new_info, precision)
         natural = torch.where(ok.unsqueeze(-1), new_natural, natural)
-        sd = scale if scale.dim() == loc.dim() else scale.pow(2).sum(-1).sqrt()
-        if last is not None and float(((loc - last).abs() / sd).amax()) < tolerance:
-            break
-        last = loc
     return precision, natural
 
 

@@ -76,7 +76,7 @@ EXPANSION_NEWTON_TOLERANCE = 1e-6  # (in float32 no finer than 1e-3: the gradien
 #: (:func:`~pyro_hier.conjugate.smoothed_pseudo_observation`), and the move of q's mean (in its sds) below which they
 #: stop
 EXPANSION_SMOOTHED_STEPS = 4
-EXPANSION_SMOOTHED_TOLERANCE = 1e-3
+EXPANSION_SMOOTHED_TOLERANCE = 1e-2
 
 
 @dataclass(frozen=True)
