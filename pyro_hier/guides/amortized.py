@@ -122,10 +122,15 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
     group's likelihood at the globals' mean and, for levels that no other level descends from, the mode of the
     group's conditional posterior there (Newton steps from the prior conditional's mean,
     :meth:`_expansion_mode`: a Laplace approximation of a likelihood that is not Gaussian, such as MovieLens's
-    Bernoulli ratings); a level with levels below it is expanded at its prior conditional's mean, its children
-    integrated out (``expansion=False`` drops it): the likelihood itself when it is Gaussian in :math:`u_i`, whatever
-    covariates the model uses — ``AutoAmortizedBranchGuide(model)`` needs no ``local_features`` for radon — moved
-    with the globals' draw at slopes read from the model (``covariance="dense"``, as
+    Bernoulli ratings), taken from there to the Gaussian optimum of the ELBO at the globals' mean by fixed-point steps
+    on the likelihood's expansion averaged over q (:func:`~pyro_hier.conjugate.smoothed_pseudo_observation`, at most
+    :data:`EXPANSION_SMOOTHED_STEPS`; Laplace centres q at the mode, off the mean of a skewed likelihood: on
+    ``benchmarks/unseen.py``'s binomial groups, one count each with few successes, the groups' means were all too
+    high, max error 0.133 sd against AutoNormal's 0.109, and 0.064 with the steps); a level with levels below it
+    is expanded at its prior conditional's mean, its children integrated out (``expansion=False`` drops it): the
+    likelihood itself when it is Gaussian in :math:`u_i`, whatever covariates the model uses —
+    ``AutoAmortizedBranchGuide(model)`` needs no ``local_features`` for radon — moved with the globals' draw at
+    slopes read from the model (``covariance="dense"``, as
     :class:`~pyro_hier.AutoBranchGuide`'s conjugate levels; :meth:`_add_expansions`). It holds no parameter, so the
     parameter count stays independent of the number of groups; it is redone every :data:`EXPANSION_EVERY` training
     calls, less often (up to 64 times) while a redo moves it by less than :data:`EXPANSION_TOLERANCE` (without
