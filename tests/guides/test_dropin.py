@@ -33,7 +33,7 @@ the summaries, shortened runs with bounds loose enough for their budget but far 
   And a model no guide was tuned on, ``benchmarks/unseen.py``'s binomial groups (70 groups of one binomial count,
   few successes each, HalfCauchy scale), against a reference by quadrature: 600 steps at rate 0.03, every group's
   posterior mean within 0.12 sd and their mean error below 0.045 sd. Measured when written (1,000 draws, seed 0; seed
-  1): max 0.073, mean 0.027 (0.096, 0.027). The previous default (the expansion at each group's conditional mode,
+  1): max 0.071, mean 0.027 (0.094, 0.026). The previous default (the expansion at each group's conditional mode,
   Laplace) gave 0.158, 0.071 (0.153, 0.070): every group with few successes too high, by the mode's offset from the
   mean in a skewed likelihood, and 0.13 after the full 5,000 steps (AutoNormal 0.11, 0.04).
 """
