@@ -25,6 +25,7 @@ from pyro_hier.conjugate import (
     pseudo_observation,
     rebase,
     smoothed_expansion,
+    smoothed_pseudo_observation,
 )
 from pyro_hier.optim import tail_average_update
 
@@ -275,3 +276,36 @@ def test_smoothed_expansion_is_exact_for_a_cubic_rest(dense):
     torch.testing.assert_close(expected_gradient, rest_gradient(m) + c * var0.unsqueeze(-1) * e0)
     exact = A - 2 * c * m[..., 0, None, None] * (e0.unsqueeze(-1) * e0)
     torch.testing.assert_close(expected_curvature, exact if dense else exact.diagonal(dim1=-2, dim2=-1))
+
+
+@pytest.mark.parametrize("diagonal", [True, False])
+def test_smoothed_pseudo_observation_moves_q_from_the_mode_to_the_gaussian_optimum(diagonal):
+    """Binomial groups with few successes (the unseen.py binomial problem's shape): from the Laplace expansion at each
+    group's conditional mode, q's mean is up to 0.09 sd off the conditional posterior mean (quadrature); after the
+    fixed-point steps it is within 0.01 sd of it and q's sd within 1% of the posterior's (the Gaussian optimum of
+    KL(q‖p) is that close for these one-dimensional, mildly skewed conditionals)."""
+    n = torch.tensor([37.0, 25.0, 10.0, 3.0, 50.0], dtype=torch.float64)
+    y = torch.tensor([2.0, 1.0, 0.0, 0.0, 40.0], dtype=torch.float64)
+    mu, tau = -1.586, 0.616
+    grid = torch.linspace(-12.0, 8.0, 40001, dtype=torch.float64).unsqueeze(-1)
+    log_p = dist.Normal(mu, tau).log_prob(grid) + dist.Binomial(n, logits=grid).log_prob(y)
+    w = torch.softmax(log_p, 0)
+    true_mean = (w * grid).sum(0)
+    true_sd = (w * (grid - true_mean).pow(2)).sum(0).sqrt()
+    mode = grid[log_p.argmax(0), 0]
+
+    def rest_gradient(u):  # (5, 1)
+        return y.unsqueeze(-1) - n.unsqueeze(-1) * torch.sigmoid(u)
+
+    u = mode.unsqueeze(-1)
+    curvature = (n * torch.sigmoid(mode) * torch.sigmoid(-mode)).reshape(5, 1, 1)
+    prior = GaussianPrior(torch.full((5, 1), mu, dtype=torch.float64), torch.full((5, 1), tau**-2, dtype=torch.float64))
+    info, natural = pseudo_observation(rest_gradient(u), curvature, u, diagonal)
+    laplace = (prior.precision * prior.loc + natural) / (prior.precision + (info if diagonal else info[..., 0]))
+    assert float(((laplace[:, 0] - true_mean) / true_sd).abs().max()) > 0.08
+    info, natural = smoothed_pseudo_observation(prior, info, natural, rest_gradient, diagonal, 4, 1e-3)
+    lam = info if diagonal else info[..., 0]
+    mean = ((prior.precision * prior.loc + natural) / (prior.precision + lam))[:, 0]
+    sd = (prior.precision + lam)[:, 0].rsqrt()
+    assert float(((mean - true_mean) / true_sd).abs().max()) < 0.01
+    assert float((sd / true_sd - 1).abs().max()) < 0.01

@@ -30,12 +30,19 @@ the summaries, shortened runs with bounds loose enough for their budget but far 
   sd ratios up to 1.19 (AutoNormal 2.84; the previous default, the natural form's networks with a learnt prior-like
   factor — ``conditional="linear"`` — 2.88, and 2.05 after the full 5,000 steps at rate 0.01: with no covariates
   given, a network of the log radon alone cannot tell a county's floor and uranium effects from its own).
+  And a model no guide was tuned on, ``benchmarks/unseen.py``'s binomial groups (70 groups of one binomial count,
+  few successes each, HalfCauchy scale), against a reference by quadrature: 600 steps at rate 0.03, every group's
+  posterior mean within 0.12 sd and their mean error below 0.045 sd. Measured when written (1,000 draws, seed 0; seed
+  1): max 0.071, mean 0.027 (0.094, 0.026). The previous default (the expansion at each group's conditional mode,
+  Laplace) gave 0.158, 0.071 (0.153, 0.070): every group with few successes too high, by the mode's offset from the
+  mean in a skewed likelihood, and 0.13 after the full 5,000 steps (AutoNormal 0.11, 0.04).
 """
 
 import math
 from collections.abc import Callable
 
 import pyro
+import pyro.distributions as dist
 import torch
 from pyro.infer import SVI, Predictive, Trace_ELBO
 
@@ -118,3 +125,57 @@ def test_default_amortized_branch_guide_in_the_users_loop_on_radon():
     assert math.isfinite(loss) and loss < 1100  # the posterior's -ELBO is about 1090
     assert error < 1.0, error
     assert ratio < 1.6, ratio
+
+
+def binomial_groups() -> tuple[Callable, torch.Tensor, torch.Tensor]:
+    """``benchmarks/unseen.py``'s binomial problem: the model, the trials and the counts."""
+    gen = torch.Generator().manual_seed(12)
+    trials = torch.randint(10, 51, (70,), generator=gen).double()
+    theta = -1.5 + 0.7 * torch.randn(70, generator=gen, dtype=torch.float64)
+    y = torch.binomial(trials, torch.sigmoid(theta), generator=gen)
+
+    def model(trials, y=None):
+        mu = pyro.sample("mu", dist.Normal(trials.new_zeros(()), 2.0))
+        tau = pyro.sample("tau", dist.HalfCauchy(trials.new_ones(())))
+        with pyro.plate("groups", len(trials)):
+            theta = pyro.sample("theta", dist.Normal(mu, tau))
+            pyro.sample("y", dist.Binomial(trials, logits=theta), obs=y)
+
+    return model, trials, y
+
+
+def binomial_group_moments(trials: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Posterior means and sds of the groups' logits by quadrature: a grid over (mu, log tau), and for each grid point
+    each group's conditional on a grid of its logit (within 0.03 sd of a 6,000-draw NUTS run's means)."""
+    mu = torch.linspace(-2.3, -0.9, 41, dtype=torch.float64)
+    log_tau = torch.linspace(math.log(0.25), math.log(1.3), 41, dtype=torch.float64)
+    mu, log_tau = torch.meshgrid(mu, log_tau, indexing="ij")
+    tau = log_tau.exp()
+    z = torch.linspace(-6.0, 3.0, 301, dtype=torch.float64)
+    joint = dist.Normal(mu[..., None, None], tau[..., None, None]).log_prob(z) + dist.Binomial(
+        trials.unsqueeze(-1), logits=z
+    ).log_prob(y.unsqueeze(-1))  # (mu, tau, groups, z)
+    log_post = dist.Normal(0.0, 2.0).log_prob(mu) + dist.HalfCauchy(1.0).log_prob(tau) + log_tau
+    log_post = log_post + torch.logsumexp(joint, -1).sum(-1)
+    weight = torch.softmax(log_post.flatten(), 0).reshape(log_post.shape)[..., None]
+    conditional = torch.softmax(joint, -1)
+    mean = (weight * (conditional * z).sum(-1)).sum((0, 1))
+    second = (weight * (conditional * z.pow(2)).sum(-1)).sum((0, 1))
+    return mean, (second - mean.pow(2)).sqrt()
+
+
+def test_default_amortized_branch_guide_on_binomial_groups_no_guide_was_tuned_on():
+    model, trials, y = binomial_groups()
+    mean, sd = binomial_group_moments(trials, y)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoAmortizedBranchGuide(model)
+    svi = SVI(model, guide, pyro.optim.ClippedAdam({"lr": 0.03, "lrd": 0.1 ** (1 / 600)}), Trace_ELBO())
+    for _ in range(600):
+        loss = svi.step(trials, y)
+    assert math.isfinite(loss)
+    with torch.no_grad():
+        draws = Predictive(model, guide=guide, num_samples=1000, parallel=True, return_sites=["theta"])(trials, y)
+    error = ((draws["theta"].mean(0).reshape(-1) - mean) / sd).abs()
+    assert float(error.max()) < 0.12, error.max()
+    assert float(error.mean()) < 0.045, error.mean()  # (the mode's offset moved every group with few successes)
