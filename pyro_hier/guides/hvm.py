@@ -60,6 +60,7 @@ from pyro_hier.guides.base import (
     concat_broadcast,
     empirical_quantiles,
     parameter_keys,
+    stored_param,
     strip_trailing_ones,
 )
 from pyro_hier.optim import tail_average_update
@@ -175,6 +176,8 @@ class ImplicitMixtureOfDiagNormals(TorchDistribution):
 
     def expand(self, batch_shape, _instance=None):
         batch_shape = torch.Size(batch_shape)
+        if batch_shape == self.batch_shape:  # (Pyro's plates expand every site's distribution)
+            return self
         k, d = self.locs.shape[-2:]
         return ImplicitMixtureOfDiagNormals(
             self.locs.expand((*batch_shape, k, d)),
@@ -261,6 +264,8 @@ class HVMSiteDistribution(TorchDistribution):
         return self.base.support
 
     def expand(self, batch_shape, _instance=None):
+        if torch.Size(batch_shape) == self.batch_shape:  # (Pyro's plates expand every site's distribution)
+            return self
         return HVMSiteDistribution(self.base.expand(batch_shape), self.log_r)
 
     def sample(self, sample_shape=()) -> torch.Tensor:
@@ -736,10 +741,11 @@ class AutoHierarchicalVM(HierarchicalGuide):
         """After a training step's backward pass: add the current parameters to their tail average (about the last
         :data:`TAIL_FRACTION` of the steps so far; :func:`~pyro_hier.optim.tail_average_update`). Read as the raw
         tensors, so ``SVI``'s parameter capture does not see them."""
-        count = self.averages.get_parameter("count_unconstrained")
+        held, live = self.averages._parameters, self.prior_params._parameters  # (direct: no attribute walk)
+        count = held["count_unconstrained"]
         count.add_(1)
-        averages = [self.averages.get_parameter(f"{attr}_unconstrained") for attr in self._averaged]
-        values = [self.prior_params.get_parameter(f"{attr}_unconstrained") for attr in self._averaged]
+        averages = [held[f"{attr}_unconstrained"] for attr in self._averaged]
+        values = [live[f"{attr}_unconstrained"] for attr in self._averaged]
         tail_average_update(averages, values, int(count), TAIL_FRACTION)  # (one fused update of all of them)
 
     def _use_average(self) -> bool:
@@ -921,11 +927,16 @@ class AutoHierarchicalVM(HierarchicalGuide):
         return nn.ModuleList(layers)
 
     # ---- the free parameters of a level ------------------------------------------------------------------------
-    def _element_params(self, level: _Level, plates: dict[str, pyro.plate] | None = None) -> dict[str, torch.Tensor]:
+    def _element_params(
+        self, level: _Level, plates: dict[str, pyro.plate] | None = None, average: bool | None = None
+    ) -> dict[str, torch.Tensor]:
         """Every free parameter of the level (``prior_params`` and ``aux_params``, by attribute name), cut to the
         elements of the guide's ``plates`` on this call (:func:`~pyro_hier.sparse.select_elements`: sparse gradients
         for :class:`~pyro_hier.optim.LazyAdam`); full size for ``None``. Read outside the plates, which would slice
-        them too."""
+        them too. ``average``: whether ``q``'s parameters are their tail averages (:meth:`_use_average`, by default
+        asked here). In a call without gradients, outside ``torch.jit`` tracing (``Predictive``'s), the parameters
+        are the store's tensors taken without ``pyro.param`` statements (:func:`~pyro_hier.guides.base.stored_param`):
+        nothing optimises what such a call reads."""
         name = level.key
         # one mixture component: its weight is 1 whatever the logits, which are then left unread (no gradient, and one
         # parameter fewer for the optimiser to visit on every step)
@@ -942,11 +953,13 @@ class AutoHierarchicalVM(HierarchicalGuide):
             dims = [self.structure.plates[p].dim for p in level.plates]
             selection = element_selection(plates, level.plates, dims)
         out = {}
-        average = self._use_average()
+        if average is None:
+            average = self._use_average()
+        untraced = not torch.is_grad_enabled() and not torch.jit.is_tracing()
         for params, attr in keys:
             if average and params is self.prior_params and attr in self._averaged:
                 params = self.averages
-            value = getattr(params, attr)
+            value = stored_param(params, attr) if untraced else getattr(params, attr)
             if selection is not None:
                 value = select_elements(value, selection, params._pyro_params[attr][1])
             rate = self._rate(level, attr)
@@ -970,12 +983,12 @@ class AutoHierarchicalVM(HierarchicalGuide):
         params = self._element_params(level) if params is None else params
         if self.prior == "mixture":
             locs = params[f"{name}_locs"]
-            scales = positive(params[f"{name}_scales"])
+            scales = self._mixture_scales(level, params)
             return ImplicitMixtureOfDiagNormals(
                 locs, scales, _LOGIT_SCALE * params[f"{name}_logits"], validate_args=False
             )
         loc = params[f"{name}_loc"]
-        scale = positive(params[f"{name}_scale"])
+        scale = self._mixture_scales(level, params)
         base = dist.Normal(torch.zeros_like(loc), torch.ones_like(loc)).to_event(1)
         transforms: list = []
         for i, layer in enumerate(self.flows[name]):
@@ -1255,8 +1268,16 @@ class AutoHierarchicalVM(HierarchicalGuide):
                 # the same random numbers in both runs (sites the guide does not sample, e.g. enumerated ones, are
                 # drawn from the model), and the caller's generator left as it was
                 with _seeded():
+                    # (the user's model, the init strategy after the given values: it makes none it throws away;
+                    # not validated: the model's own runs check the same arguments)
                     fns, _ = capture_priors(
-                        self.model, args, kwargs, {**values, name: transform(shifted.reshape(u.shape))}, wanted
+                        self.user_model,
+                        args,
+                        kwargs,
+                        {**values, name: transform(shifted.reshape(u.shape))},
+                        wanted,
+                        validate=False,
+                        init=self.site_init,
                     )
                 moments.append({n: gaussian_prior(fns[n], st.latent[n].support) for n in wanted})
             for n in wanted:
@@ -1313,9 +1334,14 @@ class AutoHierarchicalVM(HierarchicalGuide):
                 start += spec.num_coords
             return out
 
-        with _seeded():
-            curvature = element_curvature(self.model, args, kwargs, values, level_u, to_values, 1.0)
-            fns, _ = capture_priors(self.model, args, kwargs, values, names)
+        # (the user's model: every latent site the guide samples is given, and the init strategy would draw values
+        # to throw away; the enumerated ones are drawn from the model, as that strategy would; not validated: the
+        # model's own runs check the same arguments)
+        with _seeded(), pyro.validation_enabled(False):
+            curvature = element_curvature(self.user_model, args, kwargs, values, level_u, to_values, 1.0)
+            fns, _ = capture_priors(
+                self.user_model, args, kwargs, values, names, validate=False, init=self.site_init
+            )
         h = curvature.diagonal(dim1=-2, dim2=-1).clamp(min=0.0)
         out, total, start = {}, {}, 0
         for spec in specs:
@@ -1375,26 +1401,39 @@ class AutoHierarchicalVM(HierarchicalGuide):
         name = level.key
         if self.prior == "mixture":
             live = pairs(params[f"{name}_locs"])  # (*batch, K, C, 2)
-            locs, sds = cut(live), pairs(positive(cut(params[f"{name}_scales"])))
-            pi = torch.softmax(_LOGIT_SCALE * cut(params[f"{name}_logits"]), -1).unsqueeze(-1)  # (*batch, K, 1)
+            locs, sds = cut(live), pairs(cut(self._mixture_scales(level, params)))
             mean = locs[..., 0]
             var = sds[..., 0].pow(2) + (2 * locs[..., 1] + 2 * sds[..., 1].pow(2)).exp()
+            if live.shape[-3] == 1:  # one component: its weight is 1 (the same numbers, fewer operations)
+                return live[..., 0, :, 0], var[..., 0, :].sqrt()
+            pi = torch.softmax(_LOGIT_SCALE * cut(params[f"{name}_logits"]), -1).unsqueeze(-1)  # (*batch, K, 1)
             centre = (pi * mean).sum(-2)
             var = (pi * (var + (mean - centre.unsqueeze(-2)).pow(2))).sum(-2)
             centre = (pi * live[..., 0]).sum(-2)
         else:
             live = pairs(params[f"{name}_loc"])  # (*batch, C, 2)
-            loc, sd = cut(live), pairs(positive(cut(params[f"{name}_scale"])))
+            loc, sd = cut(live), pairs(cut(self._mixture_scales(level, params)))
             centre = live[..., 0]
             var = sd[..., 0].pow(2) + (2 * loc[..., 1] + 2 * sd[..., 1].pow(2)).exp()
         return centre, var.sqrt()
 
+    def _mixture_scales(self, level: _Level, params: dict[str, torch.Tensor]) -> torch.Tensor:
+        """λ's sds in ``q(λ)`` (the mixture components' or the flow's scale): the positive map of their free
+        parameters, computed once per call (``params``: :meth:`_element_params`, built afresh for every call; read by
+        ``q(λ)``, ``r`` and the standardisers)."""
+        key = "_scales:"
+        if key not in params:
+            params[key] = positive(params[f"{level.key}_{'scales' if self.prior == 'mixture' else 'scale'}"])
+        return params[key]
+
     def _mixture_r_params(self, level: _Level, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         name = level.key
+        locs = params[f"{name}_locs"]
         out = {
-            "locs": params[f"{name}_locs"],
-            "scales": positive(params[f"{name}_scales"]),
-            "log_pi": torch.log_softmax(_LOGIT_SCALE * params[f"{name}_logits"], -1),
+            "locs": locs,
+            "scales": self._mixture_scales(level, params),
+            # (one component: its weight is 1, the logits unread)
+            "log_pi": None if locs.shape[-2] == 1 else torch.log_softmax(_LOGIT_SCALE * params[f"{name}_logits"], -1),
         }
         for spec in level.sites:
             for weight in ("mean", "logscale"):
@@ -1485,8 +1524,9 @@ class AutoHierarchicalVM(HierarchicalGuide):
         result: dict[str, torch.Tensor] = {}
         parent_values: dict[str, torch.Tensor] = {}
         wanted = {p for ps in self.parents.values() for p in ps}
+        average = self._use_average()
         for level in self.levels:
-            params = self._element_params(level, plates)  # read (and cut to the subsample) outside the plates
+            params = self._element_params(level, plates, average)  # read (and cut to the subsample) outside the plates
             parents = self.parents[level.name]
             x = concat_broadcast([parent_values[p] for p in parents]) if parents else None
             with ExitStack() as stack:
