@@ -37,6 +37,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from typing import ClassVar
 
 import pyro
@@ -322,25 +323,32 @@ class _SiteSpec:
     count: int = 0  # categorical: number of values; binomial: total count
     key: str = ""  # the site's name as a parameter name (see pyro_hier.guides.base.parameter_keys)
 
-    @property
+    @cached_property
     def continuous(self) -> bool:
         return self.family == "normal"
 
-    @property
+    @cached_property
     def num_params(self) -> int:
         return {"normal": 2, "categorical": self.count}.get(self.family, 1)
 
-    @property
+    @cached_property
     def num_features(self) -> int:
         return {"normal": 3, "bernoulli": 2, "categorical": self.count}.get(self.family, 3)
 
-    @property
+    @cached_property
     def num_coords(self) -> int:
         return math.prod(self.elem_shape)
 
-    @property
+    @cached_property
     def size(self) -> int:
         return self.num_coords * self.num_params
+
+    def normal(self, loc: torch.Tensor, raw_scale: torch.Tensor) -> TorchDistribution:
+        """``q(z | λ)`` of a continuous site from its location and free log-sd, ``(..., *elem_shape)`` each: what
+        :meth:`likelihood` gives for their stack ``(..., *elem_shape, 2)``."""
+        # (not validated: the guide's own parameters, the sd through the positive map; a NaN still shows in the loss)
+        d = dist.Normal(loc, positive(raw_scale), validate_args=False)
+        return d.to_event(self.event_dim) if self.event_dim else d
 
     def likelihood(self, params: torch.Tensor, *, event: bool = True) -> TorchDistribution:
         """``q(z | λ)`` from ``params`` of shape ``(..., *elem_shape, P)`` (``event=False``: one factor per
@@ -407,7 +415,7 @@ class _Level:
     batch_shape: torch.Size
     key: str = ""  # the level's name as a parameter name
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return sum(s.size for s in self.sites)
 
@@ -673,6 +681,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
 
     # ---- parameters ---------------------------------------------------------------------------------------------
     def _setup_guide(self, structure: ModelStructure) -> None:
+        self.__dict__["_param_keys"] = {}  # (see _level_param_keys; filled once the averages are known)
         self.levels: tuple[_Level, ...] = self._build_levels(structure)
         self.prior_params = PyroModule()
         self.aux_params = PyroModule()
@@ -938,15 +947,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
         are the store's tensors taken without ``pyro.param`` statements (:func:`~pyro_hier.guides.base.stored_param`):
         nothing optimises what such a call reads."""
         name = level.key
-        # one mixture component: its weight is 1 whatever the logits, which are then left unread (no gradient, and one
-        # parameter fewer for the optimiser to visit on every step)
         single = self.prior == "mixture" and self.components(level) == 1
-        keys = [(self.prior_params, f"{name}_{k}") for k in self._prior_keys() if not (single and k == "logits")]
-        if level.numel > 1 and self.prior == "flow":
-            keys.append((self.aux_params, f"{name}_mix"))
-        keys += [(self.aux_params, f"{spec.key}_{w}") for spec in level.sites for w in ("mean", "logscale")]
-        if self.parents[level.name]:
-            keys += [(self.prior_params, f"{spec.key}_slopes") for spec in level.sites if spec.continuous]
         selection = None
         if plates is not None and level.plates:
             assert self.structure is not None
@@ -956,17 +957,40 @@ class AutoHierarchicalVM(HierarchicalGuide):
         if average is None:
             average = self._use_average()
         untraced = not torch.is_grad_enabled() and not torch.jit.is_tracing()
-        for params, attr in keys:
-            if average and params is self.prior_params and attr in self._averaged:
-                params = self.averages
+        for module, attr, rate, averaged in self._level_param_keys(level):
+            params = self.averages if average and averaged else self._modules[module]
             value = stored_param(params, attr) if untraced else getattr(params, attr)
             if selection is not None:
                 value = select_elements(value, selection, params._pyro_params[attr][1])
-            rate = self._rate(level, attr)
             out[attr] = value if rate == 1.0 else rate * value
         if single:
             out[f"{name}_logits"] = out[f"{name}_locs"].new_zeros(out[f"{name}_locs"].shape[:-1])
         return out
+
+    def _level_param_keys(self, level: _Level) -> list[tuple[str, str, float, bool]]:
+        """What :meth:`_element_params` reads for a level, found once: ``(module, attribute, rate, averaged)``."""
+        cache = self.__dict__.setdefault("_param_keys", {})
+        keys = cache.get(level.name)
+        if keys is not None:
+            return keys
+        name = level.key
+        # one mixture component: its weight is 1 whatever the logits, which are then left unread (no gradient, and one
+        # parameter fewer for the optimiser to visit on every step)
+        single = self.prior == "mixture" and self.components(level) == 1
+        pairs = [("prior_params", f"{name}_{k}") for k in self._prior_keys() if not (single and k == "logits")]
+        if level.numel > 1 and self.prior == "flow":
+            pairs.append(("aux_params", f"{name}_mix"))
+        pairs += [("aux_params", f"{spec.key}_{w}") for spec in level.sites for w in ("mean", "logscale")]
+        if self.parents[level.name]:
+            pairs += [("prior_params", f"{spec.key}_slopes") for spec in level.sites if spec.continuous]
+        averaged = getattr(self, "_averaged", None)
+        keys = [
+            (module, attr, self._rate(level, attr), module == "prior_params" and attr in (averaged or ()))
+            for module, attr in pairs
+        ]
+        if averaged is not None:  # (set up)
+            cache[level.name] = keys
+        return keys
 
     def _rate(self, level: _Level, attr: str) -> float:
         """The factor between a parameter of ``q(λ)`` and its free parameter: :data:`LOCAL_RATE` for the locations of a
@@ -1036,17 +1060,22 @@ class AutoHierarchicalVM(HierarchicalGuide):
             element_params = self._element_params(level)
         params = self._block(level, spec, lam)
         to_w = _identity
-        if affine is not None:
-            a, b, c = affine
-            params = torch.stack([a + c + b.exp() * (params[..., 0] - c), b + params[..., 1]], -1)
+        if spec.continuous:  # q(z | λ) from λ's location and log-sd (their stack, unstacked again, cost two steps)
+            loc, raw = params[..., 0], params[..., 1]
+            if affine is not None:
+                a, b, c = affine
+                loc, raw = a + c + b.exp() * (loc - c), b + raw
 
-            def to_w(z: torch.Tensor) -> torch.Tensor:
-                return c + (z - a - c) * (-b).exp()
+                def to_w(z: torch.Tensor) -> torch.Tensor:
+                    return c + (z - a - c) * (-b).exp()
 
+            likelihood = spec.normal(loc, raw)
+        else:
+            likelihood = spec.likelihood(params)
         if self.prior == "mixture":
             cv = self._location_control_variate(level, spec, element_params, affine, to_w)
             if spec is not level.sites[-1]:
-                return HVMSiteDistribution(spec.likelihood(params), cv or (lambda z: z.new_zeros(())))
+                return HVMSiteDistribution(likelihood, cv or (lambda z: z.new_zeros(())))
 
             def log_r(z: torch.Tensor) -> torch.Tensor:
                 # r's parameters are gathered when a density is asked for (a draw that is never scored, e.g. in
@@ -1056,7 +1085,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
                 )
                 return out if cv is None else out + cv(z)
 
-            return HVMSiteDistribution(spec.likelihood(params), log_r)
+            return HVMSiteDistribution(likelihood, log_r)
         target = self._block(level, spec, lam0)
         mean_w = element_params[f"{spec.key}_mean"]
         scale_w = element_params[f"{spec.key}_logscale"]
@@ -1071,7 +1100,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
             log_n = -0.5 * ((target - loc) / log_scale.exp()).pow(2) - log_scale - 0.5 * math.log(2 * math.pi)
             return sum_rightmost(log_n.sum(-1), event_dim)
 
-        return HVMSiteDistribution(spec.likelihood(params), log_r)
+        return HVMSiteDistribution(likelihood, log_r)
 
     def _has_control_variate(self, level: _Level) -> bool:
         """Whether the level's continuous sites get :meth:`_location_control_variate`: a plate level of the mixture
@@ -1179,7 +1208,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
                 batch = centre.shape[: centre.dim() - len(spec.elem_shape)]
                 u = values[spec.name].reshape((*lead, spec.num_coords))
                 parts.append(u - centre.reshape((*batch, -1)))
-        return torch.cat(parts, -1)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
 
     @torch.no_grad()
     def _refresh_slopes(self, args: tuple, kwargs: dict) -> None:
@@ -1339,9 +1368,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
         # model's own runs check the same arguments)
         with _seeded(), pyro.validation_enabled(False):
             curvature = element_curvature(self.user_model, args, kwargs, values, level_u, to_values, 1.0)
-            fns, _ = capture_priors(
-                self.user_model, args, kwargs, values, names, validate=False, init=self.site_init
-            )
+            fns, _ = capture_priors(self.user_model, args, kwargs, values, names, validate=False, init=self.site_init)
         h = curvature.diagonal(dim1=-2, dim2=-1).clamp(min=0.0)
         out, total, start = {}, {}, 0
         for spec in specs:
@@ -1482,8 +1509,9 @@ class AutoHierarchicalVM(HierarchicalGuide):
             zk = z.reshape((*z.shape[: z.dim() - n], 1, *spec.elem_shape))
             log_q = spec.likelihood(comp, event=False).log_prob(zk)  # (..., K, *elem)
             log_w = log_w + log_q.sum(tuple(range(-n, 0))) if n else log_w + log_q
-        shift = concat_broadcast(shifts).unsqueeze(-2)
-        stretch = concat_broadcast(log_stretch)
+        # (one site: its terms as they are)
+        shift = (shifts[0] if len(shifts) == 1 else concat_broadcast(shifts)).unsqueeze(-2)
+        stretch = log_stretch[0] if len(log_stretch) == 1 else concat_broadcast(log_stretch)
         # r's sd is the component's times e^γ, γ kept within ±MAX_STRETCH smoothly: far in q's tails the quadratic
         # feature would otherwise make r arbitrarily narrow and the bound -∞ (1e38 per group measured)
         stretch = MAX_STRETCH * torch.tanh(stretch / MAX_STRETCH)
@@ -1528,7 +1556,13 @@ class AutoHierarchicalVM(HierarchicalGuide):
         for level in self.levels:
             params = self._element_params(level, plates, average)  # read (and cut to the subsample) outside the plates
             parents = self.parents[level.name]
-            x = concat_broadcast([parent_values[p] for p in parents]) if parents else None
+            x = None
+            if parents:
+                x = (
+                    parent_values[parents[0]]
+                    if len(parents) == 1
+                    else concat_broadcast([parent_values[p] for p in parents])
+                )
             with ExitStack() as stack:
                 enter_plates(stack, plates, level.plates)
                 lam = pyro.sample(
