@@ -743,6 +743,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         state["_hooked"] = None  # gradient hooks are not pickled: the first training call installs them again
+        state.pop("_untraced_params", None)  # (tensors of this process, see _element_params)
         return state
 
     @torch.no_grad()
@@ -957,12 +958,24 @@ class AutoHierarchicalVM(HierarchicalGuide):
         if average is None:
             average = self._use_average()
         untraced = not torch.is_grad_enabled() and not torch.jit.is_tracing()
+        read = []
         for module, attr, rate, averaged in self._level_param_keys(level):
             params = self.averages if average and averaged else self._modules[module]
             value = stored_param(params, attr) if untraced else getattr(params, attr)
+            read.append(value)
             if selection is not None:
                 value = select_elements(value, selection, params._pyro_params[attr][1])
             out[attr] = value if rate == 1.0 else rate * value
+        if untraced and (selection is None or all(i is None for i in selection.values())):
+            # calls without gradients (Predictive's, one per draw) on the same tensors, unchanged since (an optimiser
+            # step or a load writes in place, which bumps their versions, or replaces them), every element: the last
+            # such call's parameters, with what was derived from them there (λ's sds, the standardisers)
+            key = (average, tuple((id(v), v._version, v.dtype, v.device) for v in read))
+            cache = self.__dict__.setdefault("_untraced_params", {})
+            last = cache.get(level.name)
+            if last is not None and last[0] == key:
+                return last[1]
+            cache[level.name] = (key, out, read)  # (holding the tensors read: their ids are not reused meanwhile)
         if single:
             out[f"{name}_logits"] = out[f"{name}_locs"].new_zeros(out[f"{name}_locs"].shape[:-1])
         return out
