@@ -1620,7 +1620,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
                         unconstrained[spec.name] = u
                         if affine is None:
                             values[spec.name] = u
-                        else:
+                        elif spec is not level.sites[-1]:  # (the last site's r reads its own value: to_w in log_r)
                             a, b, c = affine
                             values[spec.name] = c + (u - a - c) * (-b).exp()
                         result[spec.name] = self._emit(spec.name, u)
