@@ -918,9 +918,11 @@ class AutoHierarchicalVM(HierarchicalGuide):
                 else:
                     a[..., 0] = lam
                 b[..., 0] = math.log(max(self._init_scale, 0.5))
-            event_dim = len(spec.elem_shape) + 2 if level.plates else len(shape)
-            setattr(self.aux_params, f"{spec.key}_mean", PyroParam(a, constraints.real, event_dim=event_dim))
-            setattr(self.aux_params, f"{spec.key}_logscale", PyroParam(b, constraints.real, event_dim=event_dim))
+            # the weights of r's location (or shift) and log-sd (or log-stretch) in one parameter, ``(..., 2, P, F)``:
+            # one read and one optimiser visit a step (Adam's steps are elementwise, the same as for two)
+            weights = torch.stack([a, b], -3)
+            event_dim = len(spec.elem_shape) + 3 if level.plates else weights.dim()
+            setattr(self.aux_params, f"{spec.key}_r_weights", PyroParam(weights, constraints.real, event_dim=event_dim))
         n_par = self._num_parent_coords(level)
         precisions: dict[str, torch.Tensor] = {}
         read = self._model_slopes(level, precisions=precisions) if n_par else {}
@@ -1019,7 +1021,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
         pairs = [("prior_params", f"{name}_{k}") for k in self._prior_keys() if not (single and k == "logits")]
         if level.numel > 1 and self.prior == "flow":
             pairs.append(("aux_params", f"{name}_mix"))
-        pairs += [("aux_params", f"{spec.key}_{w}") for spec in level.sites for w in ("mean", "logscale")]
+        pairs += [("aux_params", f"{spec.key}_r_weights") for spec in level.sites]
         if self.parents[level.name]:
             pairs += [("prior_params", f"{spec.key}_slopes") for spec in level.sites if spec.continuous]
         averaged = getattr(self, "_averaged", None)
@@ -1126,8 +1128,8 @@ class AutoHierarchicalVM(HierarchicalGuide):
 
             return HVMSiteDistribution(likelihood, log_r)
         target = self._block(level, spec, lam0)
-        mean_w = element_params[f"{spec.key}_mean"]
-        scale_w = element_params[f"{spec.key}_logscale"]
+        weights = element_params[f"{spec.key}_r_weights"]
+        mean_w, scale_w = weights[..., 0, :, :], weights[..., 1, :, :]
         event_dim = spec.event_dim
 
         standard = self._standardiser(level, spec, element_params)
@@ -1502,8 +1504,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
             "log_pi": None if locs.shape[-2] == 1 else torch.log_softmax(_LOGIT_SCALE * params[f"{name}_logits"], -1),
         }
         for spec in level.sites:
-            for weight in ("mean", "logscale"):
-                out[f"{spec.name}_{weight}"] = params[f"{spec.key}_{weight}"]
+            out[f"{spec.name}_r_weights"] = params[f"{spec.key}_r_weights"]
             out[f"{spec.name}_standard"] = self._standardiser(level, spec, params)
         return out
 
@@ -1536,9 +1537,10 @@ class AutoHierarchicalVM(HierarchicalGuide):
         for spec in level.sites:
             z = values[spec.name]
             n = len(spec.elem_shape)
-            f = spec.features(z, params[f"{spec.name}_standard"]).to(locs.dtype).unsqueeze(-2)  # (..., *elem, 1, F)
-            for out, weight in ((shifts, "mean"), (log_stretch, "logscale")):
-                t = (params[f"{spec.name}_{weight}"] * f).sum(-1)  # (..., *elem, P)
+            f = spec.features(z, params[f"{spec.name}_standard"]).to(locs.dtype)  # (..., *elem, F)
+            both = (params[f"{spec.name}_r_weights"] * f[..., None, None, :]).sum(-1)  # (..., *elem, 2, P)
+            for out, i in ((shifts, 0), (log_stretch, 1)):
+                t = both[..., i, :]  # (..., *elem, P)
                 lead = t.shape[: t.dim() - n - 1]
                 out.append(t.reshape((*lead, *(1,) * spec.batch_dims, spec.size)))
             if single:  # one component: w(z) = 1

@@ -172,8 +172,12 @@ def fitted_tiny_guide(cls=AutoHierarchicalVM):
     for _ in range(30):  # away from the symmetric start, so every parameter has a gradient
         svi.step(Y)
     with torch.no_grad():  # and an r whose mixing and slopes are not zero
-        for p in guide.aux_params.parameters():
-            p.add_(0.3 * torch.randn_like(p))
+        for name, p in guide.aux_params.named_parameters():
+            if name.endswith("_r_weights_unconstrained"):  # r's location weights, then its log-sd weights
+                noise = torch.stack([torch.randn_like(p[..., 0, :, :]), torch.randn_like(p[..., 1, :, :])], -3)
+            else:
+                noise = torch.randn_like(p)
+            p.add_(0.3 * noise)
     return guide
 
 
