@@ -55,7 +55,10 @@ def log_positive(raw: torch.Tensor, floor: float = -MAX_LOG_SCALE) -> torch.Tens
         raw = torch.tensor([-50.0, 0.5])
         log_positive(raw)          # tensor([-40.0000, 0.5000]); its gradient is 1 everywhere
     """
-    return raw + (raw.clamp(floor, MAX_LOG_SCALE) - raw).detach()
+    if not raw.requires_grad:  # (nothing to pass straight through: the clamp alone)
+        return raw.clamp(floor, MAX_LOG_SCALE)
+    held = raw.detach()
+    return raw + (held.clamp(floor, MAX_LOG_SCALE) - held)
 
 
 def positive_inv(s: torch.Tensor | float) -> torch.Tensor:

@@ -21,7 +21,7 @@ from pyro.distributions.util import sum_rightmost
 from pyro.infer.autoguide import AutoGuide
 from pyro.infer.autoguide.initialization import InitMessenger, init_to_feasible
 from pyro.ops.tensor_utils import periodic_repeat
-from torch.distributions import biject_to
+from torch.distributions import biject_to, constraints
 
 from pyro_hier.errors import StructureError
 from pyro_hier.gathers import keep_random_state
@@ -36,7 +36,14 @@ from pyro_hier.plates import (
 )
 from pyro_hier.structure import LatentSite, ModelStructure, PlateLevel, inspect_model
 
-__all__ = ["HierarchicalGuide", "concat_broadcast", "empirical_quantiles", "parameter_keys", "strip_trailing_ones"]
+__all__ = [
+    "HierarchicalGuide",
+    "concat_broadcast",
+    "empirical_quantiles",
+    "parameter_keys",
+    "stored_param",
+    "strip_trailing_ones",
+]
 
 
 class HierarchicalGuide(AutoGuide):
@@ -693,3 +700,28 @@ def concat_broadcast(tensors: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(tensors, dim=-1)
     batch = torch.broadcast_shapes(*shapes)
     return torch.cat([t.expand(batch + t.shape[-1:]) for t in tensors], dim=-1)
+
+
+def stored_param(module: PyroModule, name: str) -> torch.Tensor:
+    """``module.<name>`` (a real-valued ``PyroParam``) for a call of a guide without gradients, outside ``torch.jit``
+    tracing (the caller checks both): the param store's tensor itself when it is the one the module holds (the value
+    ``pyro.param`` would return, without the statement through every handler, which would record it for nothing:
+    ``Predictive`` calls the guide once per draw); otherwise read through Pyro, which adopts the store's tensor (e.g.
+    after ``pyro.get_param_store().load``).
+
+    Example::
+
+        with torch.no_grad():
+            loc = stored_param(guide.locs, "z")  # the store's tensor, no pyro.param statement
+    """
+    if module._pyro_context.active:
+        raw = module._parameters.get(f"{name}_unconstrained")
+        constraint = module._pyro_params.get(name, (None,))[0]
+        store = pyro.get_param_store()
+        if (
+            raw is not None
+            and constraint is constraints.real
+            and store._params.get(module._pyro_get_fullname(name)) is raw
+        ):
+            return raw
+    return getattr(module, name)

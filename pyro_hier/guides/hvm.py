@@ -37,6 +37,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from typing import ClassVar
 
 import pyro
@@ -60,6 +61,7 @@ from pyro_hier.guides.base import (
     concat_broadcast,
     empirical_quantiles,
     parameter_keys,
+    stored_param,
     strip_trailing_ones,
 )
 from pyro_hier.optim import tail_average_update
@@ -175,6 +177,8 @@ class ImplicitMixtureOfDiagNormals(TorchDistribution):
 
     def expand(self, batch_shape, _instance=None):
         batch_shape = torch.Size(batch_shape)
+        if batch_shape == self.batch_shape:  # (Pyro's plates expand every site's distribution)
+            return self
         k, d = self.locs.shape[-2:]
         return ImplicitMixtureOfDiagNormals(
             self.locs.expand((*batch_shape, k, d)),
@@ -184,6 +188,9 @@ class ImplicitMixtureOfDiagNormals(TorchDistribution):
         )
 
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        draw = getattr(self, "_draw", None)
+        if draw is not None and draw[0] is value:  # one component, at its own draw (see _NoiseNormal.log_prob)
+            return (-0.5 * draw[1].pow(2) - self.scales[..., 0, :].log() - 0.5 * math.log(2 * math.pi)).sum(-1)
         eps = (value.unsqueeze(-2) - self.locs) / self.scales
         log_n = (-0.5 * eps.pow(2) - self.scales.log() - 0.5 * math.log(2 * math.pi)).sum(-1)
         if log_n.shape[-1] == 1:  # one component: its weight is 1
@@ -195,7 +202,9 @@ class ImplicitMixtureOfDiagNormals(TorchDistribution):
         k, d = self.locs.shape[-2:]
         if k == 1:  # one component: the implicit gradient is the usual reparameterised one
             eps = torch.randn(shape, dtype=self.locs.dtype, device=self.locs.device)
-            return self.locs[..., 0, :] + self.scales[..., 0, :] * eps
+            x = self.locs[..., 0, :] + self.scales[..., 0, :] * eps
+            self._draw = (x, eps)
+            return x
         locs = self.locs.expand((*shape[:-1], k, d))
         scales = self.scales.expand((*shape[:-1], k, d))
         log_w = torch.log_softmax(self.logits, -1).expand((*shape[:-1], k))
@@ -261,6 +270,8 @@ class HVMSiteDistribution(TorchDistribution):
         return self.base.support
 
     def expand(self, batch_shape, _instance=None):
+        if torch.Size(batch_shape) == self.batch_shape:  # (Pyro's plates expand every site's distribution)
+            return self
         return HVMSiteDistribution(self.base.expand(batch_shape), self.log_r)
 
     def sample(self, sample_shape=()) -> torch.Tensor:
@@ -317,25 +328,32 @@ class _SiteSpec:
     count: int = 0  # categorical: number of values; binomial: total count
     key: str = ""  # the site's name as a parameter name (see pyro_hier.guides.base.parameter_keys)
 
-    @property
+    @cached_property
     def continuous(self) -> bool:
         return self.family == "normal"
 
-    @property
+    @cached_property
     def num_params(self) -> int:
         return {"normal": 2, "categorical": self.count}.get(self.family, 1)
 
-    @property
+    @cached_property
     def num_features(self) -> int:
         return {"normal": 3, "bernoulli": 2, "categorical": self.count}.get(self.family, 3)
 
-    @property
+    @cached_property
     def num_coords(self) -> int:
         return math.prod(self.elem_shape)
 
-    @property
+    @cached_property
     def size(self) -> int:
         return self.num_coords * self.num_params
+
+    def normal(self, loc: torch.Tensor, raw_scale: torch.Tensor) -> TorchDistribution:
+        """``q(z | λ)`` of a continuous site from its location and free log-sd, ``(..., *elem_shape)`` each: what
+        :meth:`likelihood` gives for their stack ``(..., *elem_shape, 2)``."""
+        # (not validated: the guide's own parameters, the sd through the positive map; a NaN still shows in the loss)
+        d = _NoiseNormal(loc, positive(raw_scale), validate_args=False)
+        return d.to_event(self.event_dim) if self.event_dim else d
 
     def likelihood(self, params: torch.Tensor, *, event: bool = True) -> TorchDistribution:
         """``q(z | λ)`` from ``params`` of shape ``(..., *elem_shape, P)`` (``event=False``: one factor per
@@ -375,6 +393,27 @@ class _SiteSpec:
         return torch.stack([torch.ones_like(t), t, t * t], -1)
 
 
+class _NoiseNormal(dist.Normal):
+    r"""``Normal`` whose density at its own last reparameterised draw :math:`x = \mu + \sigma\varepsilon` is computed
+    from the noise: :math:`-\varepsilon^2/2 - \log\sigma - \log\sqrt{2\pi}` with :math:`\varepsilon` a constant.
+    As a function of the parameters (``x`` moving with them) that is the density's value and its total derivative
+    exactly (:math:`(x - \mu)/\sigma = \varepsilon` whatever they are), in three steps of the gradient's graph
+    instead of nine; Pyro's ELBOs score a draw at itself. Any other value (a replayed one) takes the usual formula."""
+
+    def rsample(self, sample_shape=()) -> torch.Tensor:
+        shape = self._extended_shape(torch.Size(sample_shape))
+        eps = torch.distributions.utils._standard_normal(shape, dtype=self.loc.dtype, device=self.loc.device)
+        x = self.loc + eps * self.scale
+        self._draw = (x, eps)
+        return x
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        draw = getattr(self, "_draw", None)
+        if draw is not None and draw[0] is value:
+            return -0.5 * draw[1].pow(2) - self.scale.log() - 0.5 * math.log(2 * math.pi)
+        return super().log_prob(value)
+
+
 class _ShiftedCategorical(dist.Categorical):
     """Categorical over ``low, low + 1, …`` (value = index + low), with float values like the model's site."""
 
@@ -402,7 +441,7 @@ class _Level:
     batch_shape: torch.Size
     key: str = ""  # the level's name as a parameter name
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return sum(s.size for s in self.sites)
 
@@ -668,6 +707,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
 
     # ---- parameters ---------------------------------------------------------------------------------------------
     def _setup_guide(self, structure: ModelStructure) -> None:
+        self.__dict__["_param_keys"] = {}  # (see _level_param_keys; filled once the averages are known)
         self.levels: tuple[_Level, ...] = self._build_levels(structure)
         self.prior_params = PyroModule()
         self.aux_params = PyroModule()
@@ -718,7 +758,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
         """Hook :meth:`_update_averages` onto the gradient accumulation of one of q's parameters (once per tensor:
         again after unpickling, loading or moving): it then follows any training loop, eager or JIT-compiled, and a
         call that is not followed by a backward pass (a summary, a manual call) changes nothing."""
-        leaf = self.prior_params.get_parameter(f"{self._averaged[0]}_unconstrained")
+        leaf = self.prior_params._parameters[f"{self._averaged[0]}_unconstrained"]  # (direct: no attribute walk)
         hooked = getattr(self, "_hooked", None)
         if (hooked is not None and hooked() is leaf) or not leaf.requires_grad:
             return
@@ -729,6 +769,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         state["_hooked"] = None  # gradient hooks are not pickled: the first training call installs them again
+        state.pop("_untraced_params", None)  # (tensors of this process, see _element_params)
         return state
 
     @torch.no_grad()
@@ -736,10 +777,11 @@ class AutoHierarchicalVM(HierarchicalGuide):
         """After a training step's backward pass: add the current parameters to their tail average (about the last
         :data:`TAIL_FRACTION` of the steps so far; :func:`~pyro_hier.optim.tail_average_update`). Read as the raw
         tensors, so ``SVI``'s parameter capture does not see them."""
-        count = self.averages.get_parameter("count_unconstrained")
+        held, live = self.averages._parameters, self.prior_params._parameters  # (direct: no attribute walk)
+        count = held["count_unconstrained"]
         count.add_(1)
-        averages = [self.averages.get_parameter(f"{attr}_unconstrained") for attr in self._averaged]
-        values = [self.prior_params.get_parameter(f"{attr}_unconstrained") for attr in self._averaged]
+        averages = [held[f"{attr}_unconstrained"] for attr in self._averaged]
+        values = [live[f"{attr}_unconstrained"] for attr in self._averaged]
         tail_average_update(averages, values, int(count), TAIL_FRACTION)  # (one fused update of all of them)
 
     def _use_average(self) -> bool:
@@ -748,7 +790,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
         return (
             bool(self._averaged)
             and not torch.is_grad_enabled()
-            and float(self.averages.get_parameter("count_unconstrained")) > 0
+            and float(self.averages._parameters["count_unconstrained"]) > 0
         )
 
     @staticmethod
@@ -876,9 +918,11 @@ class AutoHierarchicalVM(HierarchicalGuide):
                 else:
                     a[..., 0] = lam
                 b[..., 0] = math.log(max(self._init_scale, 0.5))
-            event_dim = len(spec.elem_shape) + 2 if level.plates else len(shape)
-            setattr(self.aux_params, f"{spec.key}_mean", PyroParam(a, constraints.real, event_dim=event_dim))
-            setattr(self.aux_params, f"{spec.key}_logscale", PyroParam(b, constraints.real, event_dim=event_dim))
+            # the weights of r's location (or shift) and log-sd (or log-stretch) in one parameter, ``(..., 2, P, F)``:
+            # one read and one optimiser visit a step (Adam's steps are elementwise, the same as for two)
+            weights = torch.stack([a, b], -3)
+            event_dim = len(spec.elem_shape) + 3 if level.plates else weights.dim()
+            setattr(self.aux_params, f"{spec.key}_r_weights", PyroParam(weights, constraints.real, event_dim=event_dim))
         n_par = self._num_parent_coords(level)
         precisions: dict[str, torch.Tensor] = {}
         read = self._model_slopes(level, precisions=precisions) if n_par else {}
@@ -921,39 +965,73 @@ class AutoHierarchicalVM(HierarchicalGuide):
         return nn.ModuleList(layers)
 
     # ---- the free parameters of a level ------------------------------------------------------------------------
-    def _element_params(self, level: _Level, plates: dict[str, pyro.plate] | None = None) -> dict[str, torch.Tensor]:
+    def _element_params(
+        self, level: _Level, plates: dict[str, pyro.plate] | None = None, average: bool | None = None
+    ) -> dict[str, torch.Tensor]:
         """Every free parameter of the level (``prior_params`` and ``aux_params``, by attribute name), cut to the
         elements of the guide's ``plates`` on this call (:func:`~pyro_hier.sparse.select_elements`: sparse gradients
         for :class:`~pyro_hier.optim.LazyAdam`); full size for ``None``. Read outside the plates, which would slice
-        them too."""
+        them too. ``average``: whether ``q``'s parameters are their tail averages (:meth:`_use_average`, by default
+        asked here). In a call without gradients, outside ``torch.jit`` tracing (``Predictive``'s), the parameters
+        are the store's tensors taken without ``pyro.param`` statements (:func:`~pyro_hier.guides.base.stored_param`):
+        nothing optimises what such a call reads."""
         name = level.key
-        # one mixture component: its weight is 1 whatever the logits, which are then left unread (no gradient, and one
-        # parameter fewer for the optimiser to visit on every step)
         single = self.prior == "mixture" and self.components(level) == 1
-        keys = [(self.prior_params, f"{name}_{k}") for k in self._prior_keys() if not (single and k == "logits")]
-        if level.numel > 1 and self.prior == "flow":
-            keys.append((self.aux_params, f"{name}_mix"))
-        keys += [(self.aux_params, f"{spec.key}_{w}") for spec in level.sites for w in ("mean", "logscale")]
-        if self.parents[level.name]:
-            keys += [(self.prior_params, f"{spec.key}_slopes") for spec in level.sites if spec.continuous]
         selection = None
         if plates is not None and level.plates:
             assert self.structure is not None
             dims = [self.structure.plates[p].dim for p in level.plates]
             selection = element_selection(plates, level.plates, dims)
         out = {}
-        average = self._use_average()
-        for params, attr in keys:
-            if average and params is self.prior_params and attr in self._averaged:
-                params = self.averages
-            value = getattr(params, attr)
+        if average is None:
+            average = self._use_average()
+        untraced = not torch.is_grad_enabled() and not torch.jit.is_tracing()
+        read = []
+        for module, attr, rate, averaged in self._level_param_keys(level):
+            params = self.averages if average and averaged else self._modules[module]
+            value = stored_param(params, attr) if untraced else getattr(params, attr)
+            read.append(value)
             if selection is not None:
                 value = select_elements(value, selection, params._pyro_params[attr][1])
-            rate = self._rate(level, attr)
             out[attr] = value if rate == 1.0 else rate * value
+        if untraced and (selection is None or all(i is None for i in selection.values())):
+            # calls without gradients (Predictive's, one per draw) on the same tensors, unchanged since (an optimiser
+            # step or a load writes in place, which bumps their versions, or replaces them), every element: the last
+            # such call's parameters, with what was derived from them there (λ's sds, the standardisers)
+            key = (average, tuple((id(v), v._version, v.dtype, v.device) for v in read))
+            cache = self.__dict__.setdefault("_untraced_params", {})
+            last = cache.get(level.name)
+            if last is not None and last[0] == key:
+                return last[1]
+            cache[level.name] = (key, out, read)  # (holding the tensors read: their ids are not reused meanwhile)
         if single:
             out[f"{name}_logits"] = out[f"{name}_locs"].new_zeros(out[f"{name}_locs"].shape[:-1])
         return out
+
+    def _level_param_keys(self, level: _Level) -> list[tuple[str, str, float, bool]]:
+        """What :meth:`_element_params` reads for a level, found once: ``(module, attribute, rate, averaged)``."""
+        cache = self.__dict__.setdefault("_param_keys", {})
+        keys = cache.get(level.name)
+        if keys is not None:
+            return keys
+        name = level.key
+        # one mixture component: its weight is 1 whatever the logits, which are then left unread (no gradient, and one
+        # parameter fewer for the optimiser to visit on every step)
+        single = self.prior == "mixture" and self.components(level) == 1
+        pairs = [("prior_params", f"{name}_{k}") for k in self._prior_keys() if not (single and k == "logits")]
+        if level.numel > 1 and self.prior == "flow":
+            pairs.append(("aux_params", f"{name}_mix"))
+        pairs += [("aux_params", f"{spec.key}_r_weights") for spec in level.sites]
+        if self.parents[level.name]:
+            pairs += [("prior_params", f"{spec.key}_slopes") for spec in level.sites if spec.continuous]
+        averaged = getattr(self, "_averaged", None)
+        keys = [
+            (module, attr, self._rate(level, attr), module == "prior_params" and attr in (averaged or ()))
+            for module, attr in pairs
+        ]
+        if averaged is not None:  # (set up)
+            cache[level.name] = keys
+        return keys
 
     def _rate(self, level: _Level, attr: str) -> float:
         """The factor between a parameter of ``q(λ)`` and its free parameter: :data:`LOCAL_RATE` for the locations of a
@@ -970,12 +1048,12 @@ class AutoHierarchicalVM(HierarchicalGuide):
         params = self._element_params(level) if params is None else params
         if self.prior == "mixture":
             locs = params[f"{name}_locs"]
-            scales = positive(params[f"{name}_scales"])
+            scales = self._mixture_scales(level, params)
             return ImplicitMixtureOfDiagNormals(
                 locs, scales, _LOGIT_SCALE * params[f"{name}_logits"], validate_args=False
             )
         loc = params[f"{name}_loc"]
-        scale = positive(params[f"{name}_scale"])
+        scale = self._mixture_scales(level, params)
         base = dist.Normal(torch.zeros_like(loc), torch.ones_like(loc)).to_event(1)
         transforms: list = []
         for i, layer in enumerate(self.flows[name]):
@@ -1023,17 +1101,22 @@ class AutoHierarchicalVM(HierarchicalGuide):
             element_params = self._element_params(level)
         params = self._block(level, spec, lam)
         to_w = _identity
-        if affine is not None:
-            a, b, c = affine
-            params = torch.stack([a + c + b.exp() * (params[..., 0] - c), b + params[..., 1]], -1)
+        if spec.continuous:  # q(z | λ) from λ's location and log-sd (their stack, unstacked again, cost two steps)
+            loc, raw = params[..., 0], params[..., 1]
+            if affine is not None:
+                a, b, c = affine
+                loc, raw = a + c + b.exp() * (loc - c), b + raw
 
-            def to_w(z: torch.Tensor) -> torch.Tensor:
-                return c + (z - a - c) * (-b).exp()
+                def to_w(z: torch.Tensor) -> torch.Tensor:
+                    return c + (z - a - c) * (-b).exp()
 
+            likelihood = spec.normal(loc, raw)
+        else:
+            likelihood = spec.likelihood(params)
         if self.prior == "mixture":
             cv = self._location_control_variate(level, spec, element_params, affine, to_w)
             if spec is not level.sites[-1]:
-                return HVMSiteDistribution(spec.likelihood(params), cv or (lambda z: z.new_zeros(())))
+                return HVMSiteDistribution(likelihood, cv or (lambda z: z.new_zeros(())))
 
             def log_r(z: torch.Tensor) -> torch.Tensor:
                 # r's parameters are gathered when a density is asked for (a draw that is never scored, e.g. in
@@ -1043,10 +1126,10 @@ class AutoHierarchicalVM(HierarchicalGuide):
                 )
                 return out if cv is None else out + cv(z)
 
-            return HVMSiteDistribution(spec.likelihood(params), log_r)
+            return HVMSiteDistribution(likelihood, log_r)
         target = self._block(level, spec, lam0)
-        mean_w = element_params[f"{spec.key}_mean"]
-        scale_w = element_params[f"{spec.key}_logscale"]
+        weights = element_params[f"{spec.key}_r_weights"]
+        mean_w, scale_w = weights[..., 0, :, :], weights[..., 1, :, :]
         event_dim = spec.event_dim
 
         standard = self._standardiser(level, spec, element_params)
@@ -1058,7 +1141,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
             log_n = -0.5 * ((target - loc) / log_scale.exp()).pow(2) - log_scale - 0.5 * math.log(2 * math.pi)
             return sum_rightmost(log_n.sum(-1), event_dim)
 
-        return HVMSiteDistribution(spec.likelihood(params), log_r)
+        return HVMSiteDistribution(likelihood, log_r)
 
     def _has_control_variate(self, level: _Level) -> bool:
         """Whether the level's continuous sites get :meth:`_location_control_variate`: a plate level of the mixture
@@ -1106,7 +1189,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
         rough :math:`\Lambda` only removes less of the noise (more than twice the true value would add some).
         The gradients of λ's scales and of everything else are untouched. The site's ``log r`` gets
         :math:`+\Lambda e^{2b}\ldots` (its density is subtracted in the loss, so this adds the term above)."""
-        held, attr = getattr(self, "precisions", None), f"{spec.key}_precision"
+        held, attr = self._modules.get("precisions"), f"{spec.key}_precision"
         if held is None or attr not in held._pyro_params or not torch.is_grad_enabled() or torch.jit.is_tracing():
             return None
         locs = params[f"{level.key}_locs"]
@@ -1114,7 +1197,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
             return None
         mu = self._block(level, spec, locs[..., 0, :])[..., 0]  # (*batch, *elem)
         # read as the raw tensor (state, as the tail averages are: SVI's parameter capture does not see it)
-        precision = held.get_parameter(f"{attr}_unconstrained").detach().reshape(mu.shape)
+        precision = held._parameters[f"{attr}_unconstrained"].detach().reshape(mu.shape)
         weight = precision if affine is None else precision * (2 * affine[1]).exp().detach()
         step = mu - mu.detach()
         n = len(spec.elem_shape)
@@ -1128,7 +1211,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
     def _slope_rate(self, spec: _SiteSpec) -> float:
         """The factor between a site's slopes and their free parameters: :data:`READ_SLOPE_RATE` where the model gives
         them (:meth:`_model_slopes`), :data:`SLOPE_RATE` where Adam learns them from zero."""
-        reads = getattr(self, "slope_reads", None)
+        reads = self._modules.get("slope_reads")
         return READ_SLOPE_RATE if reads is not None and spec.key in reads._pyro_params else SLOPE_RATE
 
     def _affine(
@@ -1166,7 +1249,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
                 batch = centre.shape[: centre.dim() - len(spec.elem_shape)]
                 u = values[spec.name].reshape((*lead, spec.num_coords))
                 parts.append(u - centre.reshape((*batch, -1)))
-        return torch.cat(parts, -1)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
 
     @torch.no_grad()
     def _refresh_slopes(self, args: tuple, kwargs: dict) -> None:
@@ -1255,8 +1338,16 @@ class AutoHierarchicalVM(HierarchicalGuide):
                 # the same random numbers in both runs (sites the guide does not sample, e.g. enumerated ones, are
                 # drawn from the model), and the caller's generator left as it was
                 with _seeded():
+                    # (the user's model, the init strategy after the given values: it makes none it throws away;
+                    # not validated: the model's own runs check the same arguments)
                     fns, _ = capture_priors(
-                        self.model, args, kwargs, {**values, name: transform(shifted.reshape(u.shape))}, wanted
+                        self.user_model,
+                        args,
+                        kwargs,
+                        {**values, name: transform(shifted.reshape(u.shape))},
+                        wanted,
+                        validate=False,
+                        init=self.site_init,
                     )
                 moments.append({n: gaussian_prior(fns[n], st.latent[n].support) for n in wanted})
             for n in wanted:
@@ -1313,9 +1404,12 @@ class AutoHierarchicalVM(HierarchicalGuide):
                 start += spec.num_coords
             return out
 
-        with _seeded():
-            curvature = element_curvature(self.model, args, kwargs, values, level_u, to_values, 1.0)
-            fns, _ = capture_priors(self.model, args, kwargs, values, names)
+        # (the user's model: every latent site the guide samples is given, and the init strategy would draw values
+        # to throw away; the enumerated ones are drawn from the model, as that strategy would; not validated: the
+        # model's own runs check the same arguments)
+        with _seeded(), pyro.validation_enabled(False):
+            curvature = element_curvature(self.user_model, args, kwargs, values, level_u, to_values, 1.0)
+            fns, _ = capture_priors(self.user_model, args, kwargs, values, names, validate=False, init=self.site_init)
         h = curvature.diagonal(dim1=-2, dim2=-1).clamp(min=0.0)
         out, total, start = {}, {}, 0
         for spec in specs:
@@ -1375,30 +1469,42 @@ class AutoHierarchicalVM(HierarchicalGuide):
         name = level.key
         if self.prior == "mixture":
             live = pairs(params[f"{name}_locs"])  # (*batch, K, C, 2)
-            locs, sds = cut(live), pairs(positive(cut(params[f"{name}_scales"])))
-            pi = torch.softmax(_LOGIT_SCALE * cut(params[f"{name}_logits"]), -1).unsqueeze(-1)  # (*batch, K, 1)
+            locs, sds = cut(live), pairs(cut(self._mixture_scales(level, params)))
             mean = locs[..., 0]
             var = sds[..., 0].pow(2) + (2 * locs[..., 1] + 2 * sds[..., 1].pow(2)).exp()
+            if live.shape[-3] == 1:  # one component: its weight is 1 (the same numbers, fewer operations)
+                return live[..., 0, :, 0], var[..., 0, :].sqrt()
+            pi = torch.softmax(_LOGIT_SCALE * cut(params[f"{name}_logits"]), -1).unsqueeze(-1)  # (*batch, K, 1)
             centre = (pi * mean).sum(-2)
             var = (pi * (var + (mean - centre.unsqueeze(-2)).pow(2))).sum(-2)
             centre = (pi * live[..., 0]).sum(-2)
         else:
             live = pairs(params[f"{name}_loc"])  # (*batch, C, 2)
-            loc, sd = cut(live), pairs(positive(cut(params[f"{name}_scale"])))
+            loc, sd = cut(live), pairs(cut(self._mixture_scales(level, params)))
             centre = live[..., 0]
             var = sd[..., 0].pow(2) + (2 * loc[..., 1] + 2 * sd[..., 1].pow(2)).exp()
         return centre, var.sqrt()
 
+    def _mixture_scales(self, level: _Level, params: dict[str, torch.Tensor]) -> torch.Tensor:
+        """λ's sds in ``q(λ)`` (the mixture components' or the flow's scale): the positive map of their free
+        parameters, computed once per call (``params``: :meth:`_element_params`, built afresh for every call; read by
+        ``q(λ)``, ``r`` and the standardisers)."""
+        key = "_scales:"
+        if key not in params:
+            params[key] = positive(params[f"{level.key}_{'scales' if self.prior == 'mixture' else 'scale'}"])
+        return params[key]
+
     def _mixture_r_params(self, level: _Level, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         name = level.key
+        locs = params[f"{name}_locs"]
         out = {
-            "locs": params[f"{name}_locs"],
-            "scales": positive(params[f"{name}_scales"]),
-            "log_pi": torch.log_softmax(_LOGIT_SCALE * params[f"{name}_logits"], -1),
+            "locs": locs,
+            "scales": self._mixture_scales(level, params),
+            # (one component: its weight is 1, the logits unread)
+            "log_pi": None if locs.shape[-2] == 1 else torch.log_softmax(_LOGIT_SCALE * params[f"{name}_logits"], -1),
         }
         for spec in level.sites:
-            for weight in ("mean", "logscale"):
-                out[f"{spec.name}_{weight}"] = params[f"{spec.key}_{weight}"]
+            out[f"{spec.name}_r_weights"] = params[f"{spec.key}_r_weights"]
             out[f"{spec.name}_standard"] = self._standardiser(level, spec, params)
         return out
 
@@ -1431,9 +1537,10 @@ class AutoHierarchicalVM(HierarchicalGuide):
         for spec in level.sites:
             z = values[spec.name]
             n = len(spec.elem_shape)
-            f = spec.features(z, params[f"{spec.name}_standard"]).to(locs.dtype).unsqueeze(-2)  # (..., *elem, 1, F)
-            for out, weight in ((shifts, "mean"), (log_stretch, "logscale")):
-                t = (params[f"{spec.name}_{weight}"] * f).sum(-1)  # (..., *elem, P)
+            f = spec.features(z, params[f"{spec.name}_standard"]).to(locs.dtype)  # (..., *elem, F)
+            both = (params[f"{spec.name}_r_weights"] * f[..., None, None, :]).sum(-1)  # (..., *elem, 2, P)
+            for out, i in ((shifts, 0), (log_stretch, 1)):
+                t = both[..., i, :]  # (..., *elem, P)
                 lead = t.shape[: t.dim() - n - 1]
                 out.append(t.reshape((*lead, *(1,) * spec.batch_dims, spec.size)))
             if single:  # one component: w(z) = 1
@@ -1443,8 +1550,9 @@ class AutoHierarchicalVM(HierarchicalGuide):
             zk = z.reshape((*z.shape[: z.dim() - n], 1, *spec.elem_shape))
             log_q = spec.likelihood(comp, event=False).log_prob(zk)  # (..., K, *elem)
             log_w = log_w + log_q.sum(tuple(range(-n, 0))) if n else log_w + log_q
-        shift = concat_broadcast(shifts).unsqueeze(-2)
-        stretch = concat_broadcast(log_stretch)
+        # (one site: its terms as they are)
+        shift = (shifts[0] if len(shifts) == 1 else concat_broadcast(shifts)).unsqueeze(-2)
+        stretch = log_stretch[0] if len(log_stretch) == 1 else concat_broadcast(log_stretch)
         # r's sd is the component's times e^γ, γ kept within ±MAX_STRETCH smoothly: far in q's tails the quadratic
         # feature would otherwise make r arbitrarily narrow and the bound -∞ (1e38 per group measured)
         stretch = MAX_STRETCH * torch.tanh(stretch / MAX_STRETCH)
@@ -1477,18 +1585,25 @@ class AutoHierarchicalVM(HierarchicalGuide):
         plates = self._create_plates(*args, **kwargs)
         if self._averaged and torch.is_grad_enabled():
             self._attach_hook()
-            if hasattr(self, "slope_reads") and not torch.jit.is_tracing():
-                n = int(self.averages.get_parameter("count_unconstrained"))
+            if "slope_reads" in self._modules and not torch.jit.is_tracing():
+                n = int(self.averages._parameters["count_unconstrained"])
                 if n > 0 and n % SLOPE_REFRESH == 0 and n != getattr(self, "_last_refresh", -1):
                     self._last_refresh = n
                     self._refresh_slopes(args, kwargs)
         result: dict[str, torch.Tensor] = {}
         parent_values: dict[str, torch.Tensor] = {}
         wanted = {p for ps in self.parents.values() for p in ps}
+        average = self._use_average()
         for level in self.levels:
-            params = self._element_params(level, plates)  # read (and cut to the subsample) outside the plates
+            params = self._element_params(level, plates, average)  # read (and cut to the subsample) outside the plates
             parents = self.parents[level.name]
-            x = concat_broadcast([parent_values[p] for p in parents]) if parents else None
+            x = None
+            if parents:
+                x = (
+                    parent_values[parents[0]]
+                    if len(parents) == 1
+                    else concat_broadcast([parent_values[p] for p in parents])
+                )
             with ExitStack() as stack:
                 enter_plates(stack, plates, level.plates)
                 lam = pyro.sample(
@@ -1507,7 +1622,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
                         unconstrained[spec.name] = u
                         if affine is None:
                             values[spec.name] = u
-                        else:
+                        elif spec is not level.sites[-1]:  # (the last site's r reads its own value: to_w in log_r)
                             a, b, c = affine
                             values[spec.name] = c + (u - a - c) * (-b).exp()
                         result[spec.name] = self._emit(spec.name, u)

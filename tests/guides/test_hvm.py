@@ -172,8 +172,12 @@ def fitted_tiny_guide(cls=AutoHierarchicalVM):
     for _ in range(30):  # away from the symmetric start, so every parameter has a gradient
         svi.step(Y)
     with torch.no_grad():  # and an r whose mixing and slopes are not zero
-        for p in guide.aux_params.parameters():
-            p.add_(0.3 * torch.randn_like(p))
+        for name, p in guide.aux_params.named_parameters():
+            if name.endswith("_r_weights_unconstrained"):  # r's location weights, then its log-sd weights
+                noise = torch.stack([torch.randn_like(p[..., 0, :, :]), torch.randn_like(p[..., 1, :, :])], -3)
+            else:
+                noise = torch.randn_like(p)
+            p.add_(0.3 * noise)
     return guide
 
 
@@ -466,3 +470,77 @@ def test_control_variate_precisions_are_saved_state_read_again_with_the_slopes()
     torch.save(guide, buffer)
     loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
     assert torch.equal(loaded.state_parameters()[key], now)
+
+
+# ---- per-call cost: the same numbers, fewer steps -------------------------------------------------------------------
+def test_scoring_a_draw_from_its_noise_is_the_usual_density_and_gradient():
+    """q(z | λ) of continuous sites and a one-component q(λ) score their own draw from the noise: the value and the
+    total derivative in the parameters are those of the usual formula (and any other value takes that formula)."""
+    from pyro_hier.guides.hvm import _NoiseNormal
+
+    torch.manual_seed(0)
+    loc = torch.randn(4, dtype=f64, requires_grad=True)
+    raw = torch.randn(4, dtype=f64, requires_grad=True)
+    for fast in (
+        lambda: _NoiseNormal(loc, positive(raw)),
+        lambda: ImplicitMixtureOfDiagNormals(loc[None, None], positive(raw)[None, None], torch.zeros(1, 1, dtype=f64)),
+    ):
+        torch.manual_seed(1)
+        q = fast()
+        x = q.rsample((3,))
+        own = q.log_prob(x)
+        replayed = q.log_prob(x.detach().clone().requires_grad_())  # another value: the usual formula
+        usual = dist.Normal(loc, positive(raw)).log_prob(x)
+        usual = usual if own.shape == usual.shape else usual.sum(-1)
+        torch.testing.assert_close(own, usual)
+        torch.testing.assert_close(replayed, usual)
+        grads = torch.autograd.grad(own.sum(), (loc, raw), allow_unused=True, retain_graph=True)  # (loc: zero)
+        want = torch.autograd.grad(usual.sum(), (loc, raw))
+        for g, w in zip(grads, want):
+            torch.testing.assert_close(torch.zeros_like(w) if g is None else g, w)
+
+
+def test_predictive_calls_read_the_store_without_param_statements_and_follow_training():
+    """A call without gradients takes the param store's tensors (no ``pyro.param`` statement) and reuses what it
+    derived from them only while they are unchanged: after a training step its draws follow the new averages. A
+    training call reads every optimised parameter once."""
+    y = torch.tensor([0.3, -1.2, 2.0, 0.7, -0.4])
+
+    def model():
+        mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+        tau = pyro.sample("tau", dist.LogNormal(0.0, 1.0))
+        with pyro.plate("groups", 5):
+            theta = pyro.sample("theta", dist.Normal(mu, tau))
+            pyro.sample("y", dist.Normal(theta, 0.5), obs=y)
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoHierarchicalVM(model)
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.05}), Trace_ELBO())
+    for _ in range(3):
+        svi.step()
+    trace = pyro.poutine.trace(guide).get_trace()
+    reads = [n for n, site in trace.nodes.items() if site["type"] == "param"]
+    assert len(reads) == len(set(reads))
+    optimised = {n.removesuffix("_unconstrained") for n, p in guide.named_parameters() if p.requires_grad}
+    optimised -= {n.removesuffix("_unconstrained") for n in guide.state_parameters()}
+    read = {n.removeprefix("AutoHierarchicalVM.") for n in reads}
+    # (one-component levels leave their mixture logits unread: the weight is 1)
+    assert read <= optimised and all(n.endswith("_logits") for n in optimised - read)
+
+    def draw():
+        with torch.no_grad():
+            pyro.set_rng_seed(5)
+            trace = pyro.poutine.trace(guide).get_trace()
+        assert not [n for n, site in trace.nodes.items() if site["type"] == "param"]
+        return trace.nodes["mu"]["value"].clone()
+
+    first, again = draw(), draw()
+    assert torch.equal(first, again)  # (the same parameters: the same draw)
+    svi.step()
+    assert not torch.equal(draw(), first)  # the averages moved
+    # the cached parameters are the store's (averaged) tensors of now
+    level = guide.levels[0]
+    with torch.no_grad():
+        params = guide._element_params(level)
+    torch.testing.assert_close(params["globals_locs"], guide.averages.globals_locs)
