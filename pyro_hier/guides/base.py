@@ -20,6 +20,7 @@ from pyro import poutine
 from pyro.distributions.util import sum_rightmost
 from pyro.infer.autoguide import AutoGuide
 from pyro.infer.autoguide.initialization import InitMessenger, init_to_feasible
+from pyro.nn import PyroModule
 from pyro.ops.tensor_utils import periodic_repeat
 from torch.distributions import biject_to, constraints
 

@@ -33,7 +33,7 @@ from pyro_hier.conjugate import (
 from pyro_hier.distributions import CholeskyPrecisionNormal, ConjugateScorer, StickingTheLanding, unwrap
 from pyro_hier.gather_maps import CallGathers, GatherMaps, full_call_gathers, full_data_call
 from pyro_hier.gathers import keep_random_state
-from pyro_hier.guides.base import HierarchicalGuide, concat_broadcast
+from pyro_hier.guides.base import HierarchicalGuide, concat_broadcast, stored_param
 from pyro_hier.optim import tail_average_update
 from pyro_hier.plates import PlateCall, element_selection, enter_plates, plate_indices, row_blocks
 from pyro_hier.sparse import select_elements
@@ -581,7 +581,7 @@ class AutoBranchGuide(HierarchicalGuide):
         another ``pyro.param`` statement through every handler (62 a training step on the three-level model before;
         the parameters are not replaced during a call, and in-place writes go to the same tensor). In a call without
         gradients (``Predictive``'s) the store's tensor is taken as it is when the module holds it already
-        (:func:`_stored_param`): nothing optimises what such a call reads. (A training call reads every parameter
+        (:func:`~pyro_hier.guides.base.stored_param`): nothing optimises what such a call reads. (A training call reads every parameter
         through Pyro, also where it first reads one without gradients, as the references' redo does: ``SVI`` steps
         what the call's trace records.)"""
         cache = self._call_cache
@@ -590,7 +590,7 @@ class AutoBranchGuide(HierarchicalGuide):
         entry = (id(params), key)
         value = cache.get(entry)
         if value is None:
-            value = cache[entry] = _stored_param(params, key) if self._call_untraced else getattr(params, key)
+            value = cache[entry] = stored_param(params, key) if self._call_untraced else getattr(params, key)
         return value
 
     def _training(self) -> bool:
@@ -1856,24 +1856,6 @@ def _state_tensor(value: torch.Tensor) -> torch.Tensor:
     """The param store's tensor behind a real-valued parameter (to be written in place)."""
     unconstrained = getattr(value, "unconstrained", None)
     return value if unconstrained is None else unconstrained()
-
-
-def _stored_param(module: PyroModule, name: str) -> torch.Tensor:
-    """``module.<name>`` (a real-valued ``PyroParam``) for a call of the guide without gradients, outside ``torch.jit``
-    tracing: the param store's tensor itself when it is the one the module holds (the value ``pyro.param`` would
-    return, without the statement through every handler, which would record it for nothing); otherwise read through
-    Pyro, which adopts the store's tensor (e.g. after ``pyro.get_param_store().load``)."""
-    if module._pyro_context.active:
-        raw = module._parameters.get(f"{name}_unconstrained")
-        constraint = module._pyro_params.get(name, (None,))[0]
-        store = pyro.get_param_store()
-        if (
-            raw is not None
-            and constraint is constraints.real
-            and store._params.get(module._pyro_get_fullname(name)) is raw
-        ):
-            return raw
-    return getattr(module, name)
 
 
 def _raw_state(module: PyroModule, name: str) -> torch.Tensor:
