@@ -581,9 +581,9 @@ class AutoBranchGuide(HierarchicalGuide):
         another ``pyro.param`` statement through every handler (62 a training step on the three-level model before;
         the parameters are not replaced during a call, and in-place writes go to the same tensor). In a call without
         gradients (``Predictive``'s) the store's tensor is taken as it is when the module holds it already
-        (:func:`~pyro_hier.guides.base.stored_param`): nothing optimises what such a call reads. (A training call reads every parameter
-        through Pyro, also where it first reads one without gradients, as the references' redo does: ``SVI`` steps
-        what the call's trace records.)"""
+        (:func:`~pyro_hier.guides.base.stored_param`): nothing optimises what such a call reads. (A training call
+        reads every parameter through Pyro, also where it first reads one without gradients, as the references' redo
+        does: ``SVI`` steps what the call's trace records.)"""
         cache = self._call_cache
         if cache is None:
             return getattr(params, key)
