@@ -377,6 +377,8 @@ def test_deepset_keeps_the_last_data_as_plain_tensors_for_calls_without_observat
 
     args, kwargs = (COUNTY, X), {"y": Y}
     guide = perturbed_guide(GUIDES["pavi-deepset"], tiny_model, args, kwargs, tiny_features)
+    with torch.no_grad():  # (the networks read views of PAVI's packed parameters, edited in place above: renewed)
+        guide(*args, **kwargs)
     batch = {**kwargs, "subsample": torch.tensor([1, 3])}
     calls, observations = capture_observations(guide.model, args, batch)
     gathers = guide._gather_maps.call(args, batch, calls)
