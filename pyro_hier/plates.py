@@ -93,9 +93,10 @@ class RowBlock(Messenger):
     r"""One block of a sum over *all* the rows of plates that Pyro subsamples at random, run as the model's call on
     ``B`` of them (Pyro cannot open such a plate in full). Made by :func:`row_blocks`, whose blocks together count
     every row once: the block's rows are replayed as the plates' subsample (``indices``); sites in these plates are
-    masked where a row repeats an earlier block's (``keep``) and their scale divided by Pyro's ``N/B``, and sites in
-    none of them count in the first block only. Summing any quantity linear in the model's log density over the
-    blocks (a log likelihood, its gradient and curvature in a group's effect) then gives its value on all the rows:
+    masked where a row repeats an earlier block's (``keep``) and their scale divided by Pyro's ``N/B``, and a site
+    outside one of these plates counts only in that plate's first block (``first``). Summing any quantity linear in
+    the model's log density over the blocks (a log likelihood, its gradient and curvature in a group's effect) then
+    gives its value on all the rows:
 
     .. math:: \sum_b \Big[\sum_{i \in b,\ \mathrm{keep}} \ell_i + [b = 0] \, r\Big] = \sum_{i=1}^N \ell_i + r.
 
@@ -109,10 +110,10 @@ class RowBlock(Messenger):
         indices: Mapping[str, torch.Tensor],
         keep: Mapping[str, torch.Tensor],
         factor: Mapping[str, float],
-        first: bool,
+        first: Mapping[str, bool],
     ):
         super().__init__()
-        self.indices, self.keep, self.factor, self.first = dict(indices), dict(keep), dict(factor), first
+        self.indices, self.keep, self.factor, self.first = dict(indices), dict(keep), dict(factor), dict(first)
 
     def __call__(self, fn: Callable) -> Callable:
         replay = ReplaySubsamples(self.indices)
@@ -127,9 +128,9 @@ class RowBlock(Messenger):
         if isinstance(msg["fn"], _Subsample):
             return
         frames = [f for f in msg["cond_indep_stack"] if f.name in self.keep]
-        if not frames:
-            if not self.first:
-                msg["mask"] = False if msg["mask"] is None else msg["mask"] & False
+        inside = {f.name for f in frames}
+        if not all(first for name, first in self.first.items() if name not in inside):
+            msg["mask"] = False if msg["mask"] is None else msg["mask"] & False
             return
         for f in frames:
             keep = self.keep[f.name].reshape((-1,) + (1,) * (-1 - f.dim))
@@ -144,18 +145,18 @@ def row_blocks(plates: Mapping[str, tuple[int, int]], device: torch.device | str
     per_plate = []
     for name, (size, block) in plates.items():
         parts = []
-        for start in range(0, size, block):
+        for k, start in enumerate(range(0, size, block)):
             at = torch.arange(start, start + block, device=device)
-            parts.append((name, at % size, at < size, block / size))
+            parts.append((name, at % size, at < size, block / size, k))
         per_plate.append(parts)
     blocks = []
-    for k, combination in enumerate(itertools.product(*per_plate)):
+    for combination in itertools.product(*per_plate):
         blocks.append(
             RowBlock(
-                {n: i for n, i, _, _ in combination},
-                {n: m for n, _, m, _ in combination},
-                {n: f for n, _, _, f in combination},
-                first=k == 0,
+                {n: i for n, i, _, _, _ in combination},
+                {n: m for n, _, m, _, _ in combination},
+                {n: f for n, _, _, f, _ in combination},
+                {n: k == 0 for n, _, _, _, k in combination},
             )
         )
     return blocks

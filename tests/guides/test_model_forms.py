@@ -134,6 +134,32 @@ def flat_drawn_model(county, y):
         pyro.sample("y", dist.Normal(a[..., county[i]], sigma), obs=y[i])
 
 
+def late_noise_model(county, y):
+    """Counties gathered by the homes (all of them), the noise scale sampled after the counties."""
+    mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+    with pyro.plate("counties", J):
+        a = pyro.sample("a", dist.Normal(mu, 1.0))
+    sigma = pyro.sample("sigma", dist.HalfNormal(1.0))
+    with pyro.plate("data", N):
+        pyro.sample("y", dist.Normal(a[..., county], sigma), obs=y)
+
+
+def homes_model(size, homes=203, noise=None):
+    """Counties gathered by ``homes`` homes, ``size`` of them drawn at random a call (``None``: all); the noise scale
+    sampled after the counties, or fixed at ``noise``."""
+
+    def model(county, y):
+        mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+        tau = pyro.sample("tau", dist.HalfNormal(1.0))
+        with pyro.plate("counties", J):
+            a = pyro.sample("a", dist.Normal(mu, tau))
+        sigma = pyro.sample("sigma", dist.HalfNormal(1.0)) if noise is None else noise
+        with pyro.plate("data", homes, subsample_size=size) as i:
+            pyro.sample("y", dist.Normal(a[..., county[i]], sigma), obs=y[i])
+
+    return model
+
+
 @pytest.mark.parametrize("Guide", GUIDES, ids=lambda g: g.__name__)
 def test_a_flat_plate_of_observations_drawn_at_random_is_the_guides_draw(Guide):
     """The guides open the plate of homes the model draws at random, as Pyro's subsampling contract has it, so the
@@ -157,14 +183,7 @@ def test_pavi_with_a_global_sampled_after_the_groups():
     pyro.clear_param_store()
     county, y = homes()
 
-    def model(county, y):
-        mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
-        with pyro.plate("counties", J):
-            a = pyro.sample("a", dist.Normal(mu, 1.0))
-        sigma = pyro.sample("sigma", dist.HalfNormal(1.0))
-        with pyro.plate("data", N):
-            pyro.sample("y", dist.Normal(a[..., county], sigma), obs=y)
-
+    model = late_noise_model
     guide = AutoPlateAmortizedFlow(model)
     train(guide, model, county, y, steps=5)
     assert guide.median(county, y)["a"].shape == (J,)
@@ -192,14 +211,7 @@ def test_a_part_of_a_guide_list_that_reads_the_likelihood_says_which_sites_are_h
     pyro.clear_param_store()
     county, y = homes()
 
-    def model(county, y):
-        mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
-        with pyro.plate("counties", J):
-            a = pyro.sample("a", dist.Normal(mu, 1.0))
-        sigma = pyro.sample("sigma", dist.HalfNormal(1.0))
-        with pyro.plate("data", N):
-            pyro.sample("y", dist.Normal(a[..., county], sigma), obs=y)
-
+    model = late_noise_model
     guides = AutoGuideList(model)
     guides.append(AutoBranchGuide(poutine.block(model, hide=["sigma"])))
     guides.append(AutoNormal(poutine.block(model, expose=["sigma"])))
@@ -218,23 +230,11 @@ def test_what_the_guides_read_of_the_likelihood_covers_every_row_of_a_plate_draw
     g = torch.Generator().manual_seed(2)
     county, y = torch.randint(0, J, (203,), generator=g), torch.randn(203, generator=g)
 
-    def make(size):
-        def model(county, y):
-            mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
-            tau = pyro.sample("tau", dist.HalfNormal(1.0))
-            with pyro.plate("counties", J):
-                a = pyro.sample("a", dist.Normal(mu, tau))
-            sigma = pyro.sample("sigma", dist.HalfNormal(1.0))
-            with pyro.plate("data", 203, subsample_size=size) as i:
-                pyro.sample("y", dist.Normal(a[..., county[i]], sigma), obs=y[i])
-
-        return model
-
     references = []
     for size in (None, 50):
         pyro.clear_param_store()
         pyro.set_rng_seed(0)
-        guide = Guide(make(size))
+        guide = Guide(homes_model(size))
         guide(county, y)
         read = {n: p.detach() for n, p in guide.named_parameters() if n.startswith("references.")}
         if Guide is AutoAmortizedBranchGuide:
@@ -257,22 +257,11 @@ def test_pavi_expansions_cover_every_row_of_a_plate_drawn_at_random():
     g = torch.Generator().manual_seed(2)
     county, y = torch.randint(0, J, (203,), generator=g), torch.randn(203, generator=g)
 
-    def make(size):
-        def model(county, y):
-            mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
-            tau = pyro.sample("tau", dist.HalfNormal(1.0))
-            with pyro.plate("counties", J):
-                a = pyro.sample("a", dist.Normal(mu, tau))
-            with pyro.plate("data", 203, subsample_size=size) as i:
-                pyro.sample("y", dist.Normal(a[..., county[i]], 0.7), obs=y[i])
-
-        return model
-
     made = []
     for size in (None, 50):
         pyro.clear_param_store()
         pyro.set_rng_seed(0)
-        guide = AutoPlateAmortizedFlow(make(size))
+        guide = AutoPlateAmortizedFlow(homes_model(size, noise=0.7))
         guide(county, y)
         made.append(guide._expansion[1]["a"])
         guide(county, y)
