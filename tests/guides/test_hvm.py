@@ -437,20 +437,21 @@ def test_location_control_variate_keeps_the_gradient_and_cuts_its_noise(monkeypa
     assert ((with_cv.mean(0) - without.mean(0)).abs() < 4 * sd / math.sqrt(40)).all()
 
 
+def five_groups_model():
+    """Five Gaussian groups with a log-normal scale, one noisy observation each."""
+    mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+    tau = pyro.sample("tau", dist.LogNormal(0.0, 1.0))
+    with pyro.plate("groups", 5):
+        theta = pyro.sample("theta", dist.Normal(mu, tau))
+        pyro.sample("y", dist.Normal(theta, 0.5), obs=torch.tensor([0.3, -1.2, 2.0, 0.7, -0.4]))
+
+
 def test_control_variate_precisions_are_saved_state_read_again_with_the_slopes():
     """The conditional precisions of the control variate are gradient-free state: refreshed with the slopes (at
     q's centre), carried by ``state_dict`` and pickling, and left out of the optimised parameters."""
     import io
 
-    y = torch.tensor([0.3, -1.2, 2.0, 0.7, -0.4])
-
-    def model():
-        mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
-        tau = pyro.sample("tau", dist.LogNormal(0.0, 1.0))
-        with pyro.plate("groups", 5):
-            theta = pyro.sample("theta", dist.Normal(mu, tau))
-            pyro.sample("y", dist.Normal(theta, 0.5), obs=y)
-
+    model = five_groups_model
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     guide = AutoHierarchicalVM(model)
@@ -504,15 +505,7 @@ def test_predictive_calls_read_the_store_without_param_statements_and_follow_tra
     """A call without gradients takes the param store's tensors (no ``pyro.param`` statement) and reuses what it
     derived from them only while they are unchanged: after a training step its draws follow the new averages. A
     training call reads every optimised parameter once."""
-    y = torch.tensor([0.3, -1.2, 2.0, 0.7, -0.4])
-
-    def model():
-        mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
-        tau = pyro.sample("tau", dist.LogNormal(0.0, 1.0))
-        with pyro.plate("groups", 5):
-            theta = pyro.sample("theta", dist.Normal(mu, tau))
-            pyro.sample("y", dist.Normal(theta, 0.5), obs=y)
-
+    model = five_groups_model
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     guide = AutoHierarchicalVM(model)
