@@ -13,6 +13,10 @@ effects with an LKJ prior), on synthetic data of a fixed seed, against a referen
 - ``slopes``: varying intercepts and slopes, ``y_i ~ N(a[g_i] + b[g_i]·x_i, s)``, ``(a_g, b_g) ~ MVN(m, diag(τ) L Lᵀ
   diag(τ))``, ``L ~ LKJCholesky(2, 2)``, 30 groups of 2–20 observations.
 
+With ``--rows B`` the guides fit ``poisson`` and ``slopes`` written as Pyro's big-data examples write them, ``B`` of
+the observations drawn at random on every call (``pyro.plate("obs", N, subsample_size=B)``), against the same
+reference (NUTS on the full model).
+
 The loop is ``dropin.py``'s (``ClippedAdam`` at ``--lr`` decaying tenfold over ``--steps``, ``Trace_ELBO``, one
 particle, ``--draws`` draws of ``Predictive``), every guide built as ``Guide(model)``. Printed per problem and
 guide: the max and mean over every latent element of ``|E_q − E_ref| / sd_ref``, the range of ``sd_q / sd_ref``,
@@ -23,6 +27,7 @@ Usage::
 
     python benchmarks/unseen.py --seeds 0                 # every problem and guide, one seed
     python benchmarks/unseen.py --problems binomial --guides AutoNormal AutoBranchGuide --seeds 0 1 2
+    python benchmarks/unseen.py --problems poisson slopes --rows 50   # observations drawn at random
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
+import dataclasses
 import math
 import statistics
 import sys
@@ -53,7 +59,7 @@ def _groups(gen: torch.Generator, num_groups: int, low: int, high: int) -> torch
     return torch.repeat_interleave(torch.arange(num_groups), sizes)
 
 
-def poisson_problem() -> Problem:
+def poisson_problem(rows: int | None = None) -> Problem:
     gen = torch.Generator().manual_seed(11)
     group = _groups(gen, 40, 1, 30)
     x = torch.randn(len(group), generator=gen, dtype=torch.float64)
@@ -66,8 +72,9 @@ def poisson_problem() -> Problem:
         b = pyro.sample("b", dist.Normal(x.new_zeros(()), 1.0))
         with pyro.plate("groups", 40):
             a = pyro.sample("a", dist.Normal(mu, sigma))
-        with pyro.plate("obs", len(x)):
-            pyro.sample("y", dist.Poisson(torch.exp(a[..., group] + b * x)), obs=y)
+        with pyro.plate("obs", len(x), subsample_size=rows) as i:
+            rate = torch.exp(a[..., group[i]] + b * x[i])
+            pyro.sample("y", dist.Poisson(rate), obs=None if y is None else y[i])
 
     return Problem("poisson", model, (x, group, y))
 
@@ -88,7 +95,7 @@ def binomial_problem() -> Problem:
     return Problem("binomial", model, (trials, y))
 
 
-def slopes_problem() -> Problem:
+def slopes_problem(rows: int | None = None) -> Problem:
     gen = torch.Generator().manual_seed(13)
     group = _groups(gen, 30, 2, 20)
     x = torch.randn(len(group), generator=gen, dtype=torch.float64)
@@ -111,8 +118,9 @@ def slopes_problem() -> Problem:
         scale_tril = tau[..., :, None] * chol
         with pyro.plate("groups", 30):
             ab = pyro.sample("ab", dist.MultivariateNormal(m.unsqueeze(-2), scale_tril=scale_tril.unsqueeze(-3)))
-        with pyro.plate("obs", len(x)):
-            pyro.sample("y", dist.Normal(ab[..., group, 0] + ab[..., group, 1] * x, s), obs=y)
+        with pyro.plate("obs", len(x), subsample_size=rows) as i:
+            loc = ab[..., group[i], 0] + ab[..., group[i], 1] * x[i]
+            pyro.sample("y", dist.Normal(loc, s), obs=None if y is None else y[i])
 
     return Problem("slopes", model, (x, group, y))
 
@@ -156,6 +164,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draws", type=int, default=2000)
     parser.add_argument("--ref-warmup", type=int, default=1000)
     parser.add_argument("--ref-draws", type=int, default=6000)
+    parser.add_argument(
+        "--rows",
+        type=int,
+        default=None,
+        help="poisson and slopes: the guides' model draws this many of its observations at random a call "
+        "(pyro.plate(..., subsample_size=rows)); the NUTS reference is the full model's",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     print(f"# {machine()}")
@@ -171,6 +186,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.problems:
         problem = PROBLEMS[name]()
         problem.moments, mc, cpu = nuts_reference(problem, args.ref_warmup, args.ref_draws, seed=1234)
+        if args.rows is not None and name != "binomial":  # (one observation per group: no rows to draw)
+            problem = dataclasses.replace(PROBLEMS[name](rows=args.rows), moments=problem.moments)
         print(f"{name:10s} {'(reference: NUTS)':34s} {'MC err ' + format(mc, '.3f'):>15s} {'':9s} {'':11s} {cpu:7.1f}")
         for guide in args.guides:
             rows = []

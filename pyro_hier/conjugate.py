@@ -79,6 +79,7 @@ __all__ = [
     "gaussian_log_normaliser",
     "gaussian_prior",
     "gaussian_update",
+    "joint_expansion",
     "line_searched_mean",
     "newton_mean",
     "precision_to_scale_tril",
@@ -86,6 +87,7 @@ __all__ = [
     "psd_root",
     "pseudo_observation",
     "rebase",
+    "rest_log_density",
     "smoothed_expansion",
     "smoothed_pseudo_observation",
 ]
@@ -313,23 +315,7 @@ def element_expansion(
     with torch.enable_grad():
         u = level_u.detach().clone().requires_grad_(True)
         own = to_values(u)
-        with poutine.block(), ReplaySubsamples(subsamples or {}):  # recorded here, hidden from the caller's handlers
-            trace = poutine.trace(poutine.condition(model, {**values, **own})).get_trace(*args, **kwargs)
-        missing = [n for n in observed if n in trace.nodes and not trace.nodes[n]["is_observed"]]
-        if missing:
-            raise Unobserved(f"the observed site(s) {missing} are not observed in this call")
-        total = u.new_zeros(())
-        covered: set[str] = set()
-        if collapse is not None:
-            covered, log_z, scale = collapse(trace)
-            total = total + (log_z * (scale / plate_scale)).sum()
-        for name, site in trace.nodes.items():
-            if site["type"] != "sample" or name in own or name in covered or isinstance(site["fn"], _Subsample):
-                continue
-            log_p = site["fn"].log_prob(site["value"])
-            if site["mask"] is not None and site["mask"] is not True:
-                log_p = log_p * site["mask"]
-            total = total + (log_p * (site["scale"] / plate_scale)).sum()
+        total = rest_log_density(model, args, kwargs, values, own, plate_scale, subsamples, observed, collapse)
         d = u.shape[-1]
         flat = u.new_zeros((*u.shape, d)) if curvature else None
         if not total.requires_grad:  # nothing in the model reads the level (e.g. a latent observation): no curvature
@@ -346,6 +332,104 @@ def element_expansion(
             (col,) = torch.autograd.grad(grad, u, grad_outputs=probe, retain_graph=k + 1 < d, allow_unused=True)
             columns.append(torch.zeros_like(u) if col is None else -col)
     return grad.detach(), torch.stack(columns, -1).detach()
+
+
+def rest_log_density(
+    model: Callable,
+    args: tuple,
+    kwargs: dict,
+    values: dict[str, torch.Tensor],
+    own: dict[str, torch.Tensor],
+    plate_scale: float,
+    subsamples: dict[str, torch.Tensor] | None = None,
+    observed: Iterable[str] = (),
+    collapse: Callable[[poutine.Trace], tuple[set[str], torch.Tensor, float]] | None = None,
+) -> torch.Tensor:
+    """The model's log density on the call ``args``, ``kwargs`` with its latent sites at ``values`` and ``own``, less
+    the sites of ``own`` (differentiable in ``own``'s values): the "rest of the model" that
+    :func:`element_expansion` and :func:`joint_expansion` expand. Each site's log density is weighted by its scale
+    divided by ``plate_scale``; ``collapse`` and ``observed`` as in :func:`element_expansion`. The model's run is
+    hidden from the caller's handlers, its plates that Pyro subsamples at random given ``subsamples``."""
+    with poutine.block(), ReplaySubsamples(subsamples or {}):  # recorded here, hidden from the caller's handlers
+        trace = poutine.trace(poutine.condition(model, {**values, **own})).get_trace(*args, **kwargs)
+    missing = [n for n in observed if n in trace.nodes and not trace.nodes[n]["is_observed"]]
+    if missing:
+        raise Unobserved(f"the observed site(s) {missing} are not observed in this call")
+    total = next(iter(own.values())).new_zeros(()) if own else torch.zeros(())
+    covered: set[str] = set()
+    if collapse is not None:
+        covered, log_z, scale = collapse(trace)
+        total = total + (log_z * (scale / plate_scale)).sum()
+    for name, site in trace.nodes.items():
+        if site["type"] != "sample" or name in own or name in covered or isinstance(site["fn"], _Subsample):
+            continue
+        log_p = site["fn"].log_prob(site["value"])
+        if site["mask"] is not None and site["mask"] is not True:
+            log_p = log_p * site["mask"]
+        total = total + (log_p * (site["scale"] / plate_scale)).sum()
+    return total
+
+
+def joint_expansion(
+    model: Callable,
+    args: tuple,
+    kwargs: dict,
+    values: dict[str, torch.Tensor],
+    level_u: torch.Tensor,
+    to_values: Callable[[torch.Tensor], dict[str, torch.Tensor]],
+    globals_v: torch.Tensor,
+    to_globals: Callable[[torch.Tensor], dict[str, torch.Tensor]],
+    plate_scale: float,
+    subsamples: dict[str, torch.Tensor] | None = None,
+    direction: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, ...]:
+    r"""The second-order expansion of the rest of the model (:func:`rest_log_density`: all but the level's and the
+    globals' own sites) jointly in a level's element vectors ``level_u (..., d)`` and the globals ``globals_v
+    (d_v,)``, from one run of the model: with :math:`H` its Hessian in :math:`(u, v)` and :math:`F = -H`,
+
+    - ``direction=None``: :math:`(g_u, F_{uu}, g_v, F_{vv}, F_{uv})`, shapes ``(..., d)``, ``(..., d, d)`` (the blocks
+      per element, from ``d`` Hessian-vector products with every element's coordinate at once, as
+      :func:`element_expansion`), ``(d_v,)``, ``(d_v, d_v)`` and ``(..., d, d_v)`` (``d_v`` products, one per global
+      coordinate: exact whatever the plate structure);
+    - ``direction=(δu, δv)``: :math:`(g_u, g_v, (F δ)_u, (F δ)_v)` by one Hessian-vector product.
+
+    Every output is linear in the model's log density, so sums over blocks of rows (:func:`~pyro_hier.plates.
+    row_blocks`) add up. Where each row reads at most one element of the level, :math:`F_{uu}` is block diagonal and
+    the two forms agree: :math:`(F\delta)_u = F_{uu,i}\,\delta u_i + F_{uv,i}\,\delta v` per element."""
+    with torch.enable_grad():
+        u = level_u.detach().clone().requires_grad_(True)
+        v = globals_v.detach().clone().requires_grad_(True)
+        total = rest_log_density(
+            model, args, kwargs, values, {**to_values(u), **to_globals(v)}, plate_scale, subsamples
+        )
+        if not total.requires_grad:  # nothing in the model reads them
+            zero_u, zero_v = torch.zeros_like(u), torch.zeros_like(v)
+            if direction is not None:
+                return zero_u, zero_v, zero_u, zero_v
+            d, d_v = u.shape[-1], v.shape[-1]
+            return zero_u, u.new_zeros((*u.shape, d)), zero_v, v.new_zeros((d_v, d_v)), u.new_zeros((*u.shape, d_v))
+        grad_u, grad_v = (
+            torch.zeros_like(x) if g is None else g
+            for x, g in zip((u, v), torch.autograd.grad(total, (u, v), create_graph=True, allow_unused=True))
+        )
+
+        def product(du: torch.Tensor, dv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            inner = (grad_u * du).sum() + (grad_v * dv).sum()
+            if not inner.requires_grad:  # (read only linearly)
+                return torch.zeros_like(u), torch.zeros_like(v)
+            cols = torch.autograd.grad(inner, (u, v), retain_graph=True, allow_unused=True)
+            return tuple(torch.zeros_like(x) if c is None else -c.detach() for x, c in zip((u, v), cols))
+
+        if direction is not None:
+            return (grad_u.detach(), grad_v.detach(), *product(*direction))
+        d, d_v = u.shape[-1], v.shape[-1]
+        eye_u = torch.eye(d, dtype=u.dtype, device=u.device)
+        eye_v = torch.eye(d_v, dtype=v.dtype, device=v.device)
+        f_uu = torch.stack([product(eye_u[k].expand_as(u), torch.zeros_like(v))[0] for k in range(d)], -1)
+        by_v = [product(torch.zeros_like(u), eye_v[k]) for k in range(d_v)]
+        f_vv = torch.stack([col[1] for col in by_v], -1)
+        f_uv = torch.stack([col[0] for col in by_v], -1)
+    return grad_u.detach(), f_uu, grad_v.detach(), f_vv, f_uv
 
 
 class Unobserved(LookupError):

@@ -5,6 +5,7 @@ does (an auxiliary unconstrained site, then a ``Delta`` with the log-Jacobian)."
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import pickle
 import sys
@@ -32,7 +33,6 @@ from pyro_hier.plates import (
     call_key,
     capture_plates,
     check_plate_sizes,
-    drawn_at_random,
     open_plates,
 )
 from pyro_hier.structure import LatentSite, ModelStructure, PlateLevel, inspect_model
@@ -298,8 +298,18 @@ class HierarchicalGuide(AutoGuide):
         assert self.structure is not None
         s = self.structure
         names = dict.fromkeys(p for n in self.guide_sites for p in s.latent[n].plates)
-        names.update(dict.fromkeys(n for n, p in s.plates.items() if p.subsampled and p.subsample is None and p.dim))
+        names.update(dict.fromkeys(self.random_row_plates()))
         return tuple(names)
+
+    def random_row_plates(self) -> tuple[str, ...]:
+        """The plates the model subsamples at random (``subsample_size=``, no indices of the user's) that hold no
+        latent site, as its first call showed: a flat plate of observations, ``pyro.plate("data", N,
+        subsample_size=B)``, whose rows each training call draws anew (:meth:`drawn_rows` gives them per call)."""
+        assert self.structure is not None
+        s = self.structure
+        latent = {p for site in s.latent.values() for p in site.plates}
+        drawn = (n for n, p in s.plates.items() if p.subsampled and p.subsample is None and p.dim)
+        return tuple(n for n in drawn if n not in latent)
 
     def drawn_rows(self, calls: Mapping[str, PlateCall]) -> dict[str, tuple[int, int]]:
         """The plates of this call that Pyro subsampled at random and that hold no latent site (a flat plate of
@@ -352,14 +362,21 @@ class HierarchicalGuide(AutoGuide):
     def _capture_plates(self, args: tuple, kwargs: dict, names: list[str]) -> dict[str, PlateCall]:
         """What the model does with the plates ``names`` on this call (a hook: guides that run the model anyway
         reuse that run). The same arguments again (the same objects, unmodified: :func:`~pyro_hier.plates.call_key`)
-        reuse the last call's plates, unless Pyro drew a subsample at random there."""
+        reuse the last call's plates; where Pyro drew a subsample at random there, a new one is drawn here as Pyro's
+        plate draws it (``torch.randperm(N)[:B]``), without running the model again (a tenth of a training step of
+        the branch guide on radon with 100 of its 919 homes drawn a call)."""
         key = (id(self.model), call_key(args, kwargs), tuple(names))
         last = getattr(self, "_plates_run", None)
         if last is not None and last[0] == key:
-            return dict(last[3])
+            calls = dict(last[3])
+            for name, call in calls.items():
+                if call.subsampled and not call.user_indices:
+                    drawn = torch.randperm(call.size, device=call.indices.device)[: call.subsample_size]
+                    calls[name] = dataclasses.replace(call, indices=drawn)
+            return calls
         with keep_random_state():  # (the model draws its latents from the prior up to its plates)
             calls = capture_plates(self.model, args, kwargs, names=names)
-        self._plates_run = None if drawn_at_random(calls) else (key, args, dict(kwargs), dict(calls))
+        self._plates_run = (key, args, dict(kwargs), dict(calls))
         return calls
 
     # ---- initial values -----------------------------------------------------------------------------------------
