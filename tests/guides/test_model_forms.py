@@ -200,9 +200,11 @@ def test_a_flat_plate_drawn_at_random_in_compiled_steps(Guide):
     county, y = homes()
     guide = Guide(flat_drawn_model)
     svi = SVI(flat_drawn_model, guide, pyro.optim.Adam({"lr": 0.01}), JitTrace_ELBO())
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (the tracer's warnings on the drawn indices)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")  # (and the tracer's warnings on the drawn indices)
         assert all(math.isfinite(svi.step(county, y)) for _ in range(5))
+    said = any("rows the model draws at random" in str(w.message) for w in seen)
+    assert said == (Guide is AutoBranchGuide)  # (its counties are set by references only in eager calls: said)
 
 
 def test_a_part_of_a_guide_list_that_reads_the_likelihood_says_which_sites_are_hidden_from_it():
