@@ -115,6 +115,7 @@ READ_SLOPE_RATE = 0.01
 #: takes the noise that drives the jitter out of the locations' gradient. With it, at the full rate, radon at 0.05
 #: ended 0.38-0.44 (both priors, 3 seeds) and the centred eight schools 0.41-0.44 (AutoNormal 0.55-0.76, 0.46-0.49)
 LOCAL_RATE = 1.0
+TREND_CORRECTION = True
 #: the memory (in training calls) of the running moments behind the globals' control variate
 #: (:meth:`AutoHierarchicalVM._update_global_control_variate`), and the calls before it is applied
 GLOBAL_CV_MEMORY = 100
@@ -735,6 +736,12 @@ class AutoHierarchicalVM(HierarchicalGuide):
             value = getattr(self.prior_params, attr).detach().clone()
             setattr(self.averages, attr, PyroParam(value, constraints.real, event_dim=event_dim))
             getattr(self.averages, attr)  # (read once: a trace of this call records the parameter, not its init)
+            if TREND_CORRECTION:
+                if not hasattr(self, "trends"):
+                    self.trends = PyroModule()
+                both = torch.stack([value, value])
+                setattr(self.trends, attr, PyroParam(both, constraints.real, event_dim=event_dim + 1))
+                getattr(self.trends, attr)
         if self._averaged:
             self.averages.count = PyroParam(torch.zeros(()).to(value), constraints.real)
             _ = self.averages.count
@@ -752,7 +759,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
         ``q``'s parameters and its count, the last slopes read from the model and the conditional precisions of the
         control variate (:meth:`_location_control_variate`). Leave them out of hand-built optimisers."""
         out = {f"averages.{k}": v for k, v in self.averages.named_parameters()}
-        for module in ("slope_reads", "precisions"):
+        for module in ("slope_reads", "precisions", "trends"):
             if hasattr(self, module):
                 out.update({f"{module}.{k}": v for k, v in getattr(self, module).named_parameters()})
         return out
@@ -786,7 +793,18 @@ class AutoHierarchicalVM(HierarchicalGuide):
         count.add_(1)
         averages = [held[f"{attr}_unconstrained"] for attr in self._averaged]
         values = [live[f"{attr}_unconstrained"] for attr in self._averaged]
-        tail_average_update(averages, values, int(count), TAIL_FRACTION)  # (one fused update of all of them)
+        if not TREND_CORRECTION:
+            tail_average_update(averages, values, int(count), TAIL_FRACTION)  # (one fused update of all of them)
+            return
+        trends = [self.trends._parameters[f"{attr}_unconstrained"] for attr in self._averaged]
+        first = [t[0] for t in trends]
+        second = [t[1] for t in trends]
+        tail_average_update(first, values, int(count), TAIL_FRACTION)
+        tail_average_update(second, first, int(count), TAIL_FRACTION)
+        lag = torch._foreach_sub(first, second)
+        torch._foreach_mul_(lag, 1.0 + TAIL_FRACTION)
+        corrected = torch._foreach_add(first, lag)
+        torch._foreach_copy_(averages, corrected)
 
     def _use_average(self) -> bool:
         """Outside training (``Predictive``, ``median``, ``quantiles``: any call without gradients) ``q`` uses the tail
@@ -1395,6 +1413,8 @@ class AutoHierarchicalVM(HierarchicalGuide):
                 attr = f"{spec.key}_slopes"
                 if attr in self._averaged:
                     self.averages.get_parameter(f"{attr}_unconstrained").add_(delta)
+                    if TREND_CORRECTION:
+                        self.trends.get_parameter(f"{attr}_unconstrained").add_(delta)
                 old.copy_(new)
 
     def _model_slopes(
