@@ -115,7 +115,6 @@ READ_SLOPE_RATE = 0.01
 #: takes the noise that drives the jitter out of the locations' gradient. With it, at the full rate, radon at 0.05
 #: ended 0.38-0.44 (both priors, 3 seeds) and the centred eight schools 0.41-0.44 (AutoNormal 0.55-0.76, 0.46-0.49)
 LOCAL_RATE = 1.0
-TREND_CORRECTION = True
 #: the memory (in training calls) of the running moments behind the globals' control variate
 #: (:meth:`AutoHierarchicalVM._update_global_control_variate`), and the calls before it is applied
 GLOBAL_CV_MEMORY = 100
@@ -734,14 +733,10 @@ class AutoHierarchicalVM(HierarchicalGuide):
         for attr in self._averaged:
             event_dim = self.prior_params._pyro_params[attr][1]
             value = getattr(self.prior_params, attr).detach().clone()
-            setattr(self.averages, attr, PyroParam(value, constraints.real, event_dim=event_dim))
+            # the two averages of drift_corrected_average_update, stacked: the estimate is derived where it is read
+            both = torch.stack([value, value])
+            setattr(self.averages, attr, PyroParam(both, constraints.real, event_dim=event_dim + 1))
             getattr(self.averages, attr)  # (read once: a trace of this call records the parameter, not its init)
-            if TREND_CORRECTION:
-                if not hasattr(self, "trends"):
-                    self.trends = PyroModule()
-                both = torch.stack([value, value])
-                setattr(self.trends, attr, PyroParam(both, constraints.real, event_dim=event_dim + 1))
-                getattr(self.trends, attr)
         if self._averaged:
             self.averages.count = PyroParam(torch.zeros(()).to(value), constraints.real)
             _ = self.averages.count
@@ -759,7 +754,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
         ``q``'s parameters and its count, the last slopes read from the model and the conditional precisions of the
         control variate (:meth:`_location_control_variate`). Leave them out of hand-built optimisers."""
         out = {f"averages.{k}": v for k, v in self.averages.named_parameters()}
-        for module in ("slope_reads", "precisions", "trends"):
+        for module in ("slope_reads", "precisions"):
             if hasattr(self, module):
                 out.update({f"{module}.{k}": v for k, v in getattr(self, module).named_parameters()})
         return out
@@ -793,18 +788,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
         count.add_(1)
         averages = [held[f"{attr}_unconstrained"] for attr in self._averaged]
         values = [live[f"{attr}_unconstrained"] for attr in self._averaged]
-        if not TREND_CORRECTION:
-            tail_average_update(averages, values, int(count), TAIL_FRACTION)  # (one fused update of all of them)
-            return
-        trends = [self.trends._parameters[f"{attr}_unconstrained"] for attr in self._averaged]
-        first = [t[0] for t in trends]
-        second = [t[1] for t in trends]
-        tail_average_update(first, values, int(count), TAIL_FRACTION)
-        tail_average_update(second, first, int(count), TAIL_FRACTION)
-        lag = torch._foreach_sub(first, second)
-        torch._foreach_mul_(lag, 1.0 + TAIL_FRACTION)
-        corrected = torch._foreach_add(first, lag)
-        torch._foreach_copy_(averages, corrected)
+        drift_corrected_average_update(averages, values, int(count), TAIL_FRACTION)  # (one fused update of all)
 
     def _use_average(self) -> bool:
         """Outside training (``Predictive``, ``median``, ``quantiles``: any call without gradients) ``q`` uses the tail
@@ -949,17 +933,16 @@ class AutoHierarchicalVM(HierarchicalGuide):
         precisions: dict[str, torch.Tensor] = {}
         read = self._model_slopes(level, precisions=precisions) if n_par else {}
         if self._has_global_control_variate(level):
-            # the globals' control variate (see _update_global_control_variate): the precision it applies and the
-            # running moments E[g δ], E[δ²] it is estimated from, state without gradients
+            # the globals' control variate (see _update_global_control_variate): the precision it applies to each
+            # coordinate and the running moments E[g δ], E[δ²] it is estimated from, state without gradients
             if not hasattr(self, "precisions"):
                 self.precisions = PyroModule()
-            for spec in level.sites:
-                zeros = init.new_zeros(spec.elem_shape)
-                setattr(self.precisions, f"{spec.key}_precision", PyroParam(zeros.clone(), constraints.real))
-                getattr(self.precisions, f"{spec.key}_precision")
-                moments = init.new_zeros((2, *spec.elem_shape))
-                setattr(self.precisions, f"{spec.key}_moments", PyroParam(moments, constraints.real))
-                getattr(self.precisions, f"{spec.key}_moments")
+            zeros = init.new_zeros(level.numel // 2)
+            setattr(self.precisions, f"{name}_cv_precision", PyroParam(zeros.clone(), constraints.real))
+            getattr(self.precisions, f"{name}_cv_precision")
+            moments = zeros.new_zeros((2, len(zeros)))
+            setattr(self.precisions, f"{name}_cv_moments", PyroParam(moments, constraints.real))
+            getattr(self.precisions, f"{name}_cv_moments")
         if self._has_control_variate(level):
             for spec in level.sites:
                 if spec.name in precisions:
@@ -1022,11 +1005,17 @@ class AutoHierarchicalVM(HierarchicalGuide):
         untraced = not torch.is_grad_enabled() and not torch.jit.is_tracing()
         read = []
         for module, attr, rate, averaged in self._level_param_keys(level):
-            params = self.averages if average and averaged else self._modules[module]
-            value = stored_param(params, attr) if untraced else getattr(params, attr)
-            read.append(value)
+            if average and averaged:
+                params = self.averages
+                value = stored_param(params, attr) if untraced else getattr(params, attr)
+                read.append(value)
+                value = drift_corrected_average(value)
+            else:
+                params = self._modules[module]
+                value = stored_param(params, attr) if untraced else getattr(params, attr)
+                read.append(value)
             if selection is not None:
-                value = select_elements(value, selection, params._pyro_params[attr][1])
+                value = select_elements(value, selection, self._modules[module]._pyro_params[attr][1])
             out[attr] = value if rate == 1.0 else rate * value
         if untraced and (selection is None or all(i is None for i in selection.values())):
             # calls without gradients (Predictive's, one per draw) on the same tensors, unchanged since (an optimiser
@@ -1233,7 +1222,8 @@ class AutoHierarchicalVM(HierarchicalGuide):
         rough :math:`\Lambda` only removes less of the noise (more than twice the true value would add some).
         The gradients of λ's scales and of everything else are untouched. The site's ``log r`` gets
         :math:`+\Lambda e^{2b}\ldots` (its density is subtracted in the loss, so this adds the term above)."""
-        held, attr = self._modules.get("precisions"), f"{spec.key}_precision"
+        held = self._modules.get("precisions")
+        attr = f"{spec.key}_precision" if level.plates else f"{level.key}_cv_precision"
         if held is None or attr not in held._pyro_params or not torch.is_grad_enabled() or torch.jit.is_tracing():
             return None
         locs = params[f"{level.key}_locs"]
@@ -1264,30 +1254,32 @@ class AutoHierarchicalVM(HierarchicalGuide):
         noise; the term added to the loss is :math:`-\hat\Lambda\, \mathrm{sg}(\delta)\, (\mu - \mathrm{sg}(\mu))`
         (value 0, gradient :math:`-\hat\Lambda \delta`, zero on average: unbiased whatever :math:`\hat\Lambda`,
         which depends on earlier calls' draws only)."""
-        held = self._modules["precisions"]
-        attr = f"{spec.key}_precision"
         mu = self._block(level, spec, locs[..., 0, :])[..., 0]  # (*elem)
         leaf = self.prior_params._parameters[f"{level.key}_locs_unconstrained"]
         pending = self.__dict__.setdefault("_global_cv", {})
-        if not pending or pending.get("leaf") is not leaf:
+        if spec is level.sites[0] or pending.get("leaf") is not leaf:  # (a new call)
             pending.clear()
-            pending["leaf"], pending["level"] = leaf, level
-        # the leaf's gradient so far (several particles in turn each add theirs): the hook reads this call's increment
-        pending["before"] = None if leaf.grad is None else leaf.grad.detach().clone()
-        count = float(self.averages._parameters["count_unconstrained"].detach())
-        precision = held._parameters[f"{attr}_unconstrained"].detach()
-        active = count >= GLOBAL_CV_MEMORY
-        entry = {"spec": spec, "precision": precision if active else torch.zeros_like(precision), "delta": None}
-        pending[spec.key] = entry
+            pending.update(leaf=leaf, level=level, deltas={})
+            # the leaf's gradient so far (several particles in turn each add theirs): the update reads this call's
+            # increment
+            pending["before"] = None if leaf.grad is None else leaf.grad.detach().clone()
+            count = float(self.averages._parameters["count_unconstrained"].detach())
+            precision = self.precisions._parameters[f"{level.key}_cv_precision_unconstrained"].detach()
+            pending["active"] = count >= GLOBAL_CV_MEMORY
+            pending["precision"] = precision.clone() if pending["active"] else torch.zeros_like(precision)
+        active = pending["active"]
+        start = spec.offset // 2
+        weight = pending["precision"][start : start + spec.num_coords].reshape(spec.elem_shape)
+        deltas = pending["deltas"]
         step = mu - mu.detach()
         n = len(spec.elem_shape)
 
         def cv(z: torch.Tensor) -> torch.Tensor:
             delta = (z - mu).detach()
-            entry["delta"] = delta.reshape((-1, *spec.elem_shape)).mean(0)  # (vectorised particles: their mean)
+            deltas[spec.key] = delta.reshape((-1, spec.num_coords)).mean(0)  # (vectorised particles: their mean)
             if not active:
                 return z.new_zeros(())
-            return sum_rightmost(precision * delta * step, n)
+            return sum_rightmost(weight * delta * step, n)
 
         return cv
 
@@ -1303,33 +1295,23 @@ class AutoHierarchicalVM(HierarchicalGuide):
         plate levels) and :math:`\eta` the other draws' noise, uncorrelated with :math:`\delta`. The regression
         slope :math:`\Lambda = \mathbb E[g \delta] / \mathbb E[\delta^2]` is estimated from running moments over
         about the last :data:`GLOBAL_CV_MEMORY` calls, with :math:`g` the gradient without the control variate
-        (the call's gradient plus the :math:`\hat\Lambda \delta` it took out); negative estimates are cut to 0.
-        On the non-centred eight schools the mean's own draw noise is most of its gradient's noise (the mean's
-        curvature times its posterior sd, about 0.33, against about 0.1 from the schools' and the scale's draws):
-        Adam's steps, which follow the gradient's signal-to-noise ratio, were too short for the mean to arrive at
-        Adam's rate 0.005 (see :data:`GLOBAL_CV_MEMORY`'s use in the class docstring)."""
+        (the call's gradient plus the :math:`\hat\Lambda \delta` it took out); negative estimates are cut to 0."""
         pending = self.__dict__.get("_global_cv")
-        if not pending:
+        if not pending or pending["leaf"].grad is None:
             return
-        leaf = pending["leaf"]
-        if leaf.grad is None:
+        level, deltas = pending["level"], pending["deltas"]
+        if len(deltas) != len(level.sites):  # (a call whose draws were not all scored)
             return
-        grad = leaf.grad if pending["before"] is None else leaf.grad - pending["before"]
-        level = pending["level"]
+        grad = pending["leaf"].grad if pending["before"] is None else pending["leaf"].grad - pending["before"]
+        delta = deltas[level.sites[0].key] if len(deltas) == 1 else torch.cat([deltas[s.key] for s in level.sites])
+        g = grad[..., 0, 0::2].reshape(delta.shape) + pending["precision"] * delta  # (the locations: every other λ)
         held = self.precisions._parameters
+        moments = held[f"{level.key}_cv_moments_unconstrained"]
         count = float(self.averages._parameters["count_unconstrained"].detach()) + 1
-        beta = max(1.0 / count, 1.0 / GLOBAL_CV_MEMORY)
-        for key, entry in list(pending.items()):
-            if key in ("leaf", "level", "before") or entry["delta"] is None:
-                continue
-            spec = entry["spec"]
-            delta = entry["delta"]
-            g = self._block(level, spec, grad[..., 0, :])[..., 0] + entry["precision"] * delta
-            moments = held[f"{key}_moments_unconstrained"]
-            moments.lerp_(torch.stack([g * delta, delta * delta]), beta)
-            estimate = (moments[0] / moments[1].clamp(min=torch.finfo(moments.dtype).tiny)).clamp(min=0.0)
-            held[f"{key}_precision_unconstrained"].copy_(estimate)
-            entry["delta"] = None
+        moments.lerp_(torch.stack([g * delta, delta * delta]), max(1.0 / count, 1.0 / GLOBAL_CV_MEMORY))
+        estimate = moments[0] / moments[1].clamp(min=torch.finfo(moments.dtype).tiny)
+        held[f"{level.key}_cv_precision_unconstrained"].copy_(estimate.clamp(min=0.0))
+        deltas.clear()
 
     def _slope_rate(self, spec: _SiteSpec) -> float:
         """The factor between a site's slopes and their free parameters: :data:`READ_SLOPE_RATE` where the model gives
@@ -1412,9 +1394,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
                 self.prior_params.get_parameter(f"{spec.key}_slopes_unconstrained").add_(delta)
                 attr = f"{spec.key}_slopes"
                 if attr in self._averaged:
-                    self.averages.get_parameter(f"{attr}_unconstrained").add_(delta)
-                    if TREND_CORRECTION:
-                        self.trends.get_parameter(f"{attr}_unconstrained").add_(delta)
+                    self.averages.get_parameter(f"{attr}_unconstrained").add_(delta)  # (both averages)
                 old.copy_(new)
 
     def _model_slopes(
@@ -1861,6 +1841,50 @@ class AutoHierarchicalVM(HierarchicalGuide):
             term = per_coord.sum(-1)  # (K, n)
             total = term if total is None else total + term
         return torch.logsumexp(log_pi.unsqueeze(-1) + total, 0)
+
+
+def drift_corrected_average_update(
+    state: list[torch.Tensor], value: list[torch.Tensor], count: int, fraction: float
+) -> None:
+    r"""One step of a tail average corrected for the drift of what it averages, in place (Brown's double exponential
+    smoothing, for the growing window of :func:`~pyro_hier.optim.tail_average_update`); the estimate is
+    :func:`drift_corrected_average` of the state.
+
+    With :math:`\beta_n = 1 / \max(1, f n)`, a first average :math:`a_n = a_{n-1} + \beta_n (\phi_n - a_{n-1})`
+    and a second one of the first, :math:`b_n = b_{n-1} + \beta_n (a_n - b_{n-1})`, the estimate is
+
+    .. math:: \hat\phi_n = a_n + (1 + f)(a_n - b_n).
+
+    For values drifting at a steady rate, :math:`\phi_n = v n`, the first average lags by :math:`v n f / (1 + f)`
+    (it tends to :math:`v n / (1 + f)`) and the second lags the first by :math:`1 / (1 + f)` of that, so
+    :math:`\hat\phi_n = \phi_n` up to terms that fade like :math:`1/n`; for values jittering about a fixed point it
+    is still an average of them (weights summing to 1), with about 2.9 times the plain average's variance for
+    independent jitter. A tail average that is read while the parameters still move (the mean of the non-centred
+    eight schools at Adam's rate 0.005) is then not left behind them.
+
+    :param state: for each value, a tensor ``(2, *shape)`` holding :math:`(a_{n-1}, b_{n-1})`, updated in place
+        (start both at the initial value).
+    :param value: :math:`\phi_n`.
+    :param count: :math:`n \ge 1`.
+    :param fraction: :math:`f \in (0, 1]`.
+
+    Example::
+
+        state = torch.stack([loc.detach(), loc.detach()])
+        for n in range(1, 101):
+            ...  # an optimiser step on loc
+            drift_corrected_average_update([state], [loc], n, fraction=0.25)
+        estimate = drift_corrected_average(state, fraction=0.25)
+    """
+    first = [t[0] for t in state]
+    tail_average_update(first, value, count, fraction)
+    tail_average_update([t[1] for t in state], first, count, fraction)
+
+
+def drift_corrected_average(state: torch.Tensor, fraction: float = TAIL_FRACTION) -> torch.Tensor:
+    r"""The estimate :math:`a + (1 + f)(a - b)` of :func:`drift_corrected_average_update`'s state ``(2, *shape)``."""
+    first = state[0]
+    return first + (1.0 + fraction) * (first - state[1])
 
 
 @contextmanager
