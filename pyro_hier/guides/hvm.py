@@ -943,6 +943,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
             moments = zeros.new_zeros((2, len(zeros)))
             setattr(self.precisions, f"{name}_cv_moments", PyroParam(moments, constraints.real))
             getattr(self.precisions, f"{name}_cv_moments")
+            self.__dict__["_global_cv_gaussian"] = self._gaussian_coordinates(level)
         if self._has_control_variate(level):
             for spec in level.sites:
                 if spec.name in precisions:
@@ -1173,13 +1174,30 @@ class AutoHierarchicalVM(HierarchicalGuide):
 
     def _has_global_control_variate(self, level: _Level) -> bool:
         """Whether the level gets the globals' control variate (:meth:`_update_global_control_variate`): the global
-        level of the mixture prior with one component, all its sites continuous."""
+        level of the mixture prior with one component, all its sites continuous, one of them with a Gaussian prior
+        (:meth:`_gaussian_coordinates`)."""
         return (
             not level.plates
             and self.prior == "mixture"
             and self.components(level) == 1
             and all(s.continuous for s in level.sites)
+            and bool(self._gaussian_coordinates(level).any())
         )
+
+    def _gaussian_coordinates(self, level: _Level) -> torch.Tensor:
+        """Which of the level's coordinates (sites in order, each flattened) belong to a site whose prior is Gaussian
+        in its unconstrained space (:func:`~pyro_hier.conjugate.gaussian_prior`), ``(C,)`` booleans: where the
+        globals' control variate applies. A scale's log under a HalfCauchy or Uniform prior is not: with the control
+        variate on it too, the centred eight schools' ``tau`` at Adam's rate 0.05 ended 0.54 posterior sds high
+        (seed 0; AutoNormal 0.46, without it 0.43) and the non-centred one's at rate 0.005 was slower (seeds 0-2:
+        max error 0.139 / 0.159 / 0.166 against 0.118 / 0.125 / 0.145 with the means' alone)."""
+        assert self.structure is not None and self.prototype_trace is not None
+        parts = []
+        for spec in level.sites:
+            fn = self.prototype_trace.nodes[spec.name]["fn"]
+            gaussian = gaussian_prior(fn, self.structure.latent[spec.name].support) is not None
+            parts.append(torch.full((spec.num_coords,), gaussian))
+        return torch.cat(parts)
 
     def _location_control_variate(
         self,
@@ -1310,7 +1328,8 @@ class AutoHierarchicalVM(HierarchicalGuide):
         count = float(self.averages._parameters["count_unconstrained"].detach()) + 1
         moments.lerp_(torch.stack([g * delta, delta * delta]), max(1.0 / count, 1.0 / GLOBAL_CV_MEMORY))
         estimate = moments[0] / moments[1].clamp(min=torch.finfo(moments.dtype).tiny)
-        held[f"{level.key}_cv_precision_unconstrained"].copy_(estimate.clamp(min=0.0))
+        gaussian = self.__dict__["_global_cv_gaussian"].to(estimate.device)
+        held[f"{level.key}_cv_precision_unconstrained"].copy_(estimate.clamp(min=0.0) * gaussian)
         deltas.clear()
 
     def _slope_rate(self, spec: _SiteSpec) -> float:
