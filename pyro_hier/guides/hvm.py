@@ -121,8 +121,11 @@ LOCAL_RATE = 1.0
 GLOBAL_CV_MEMORY = 100
 #: the fraction of the training calls so far that the tail average of q's parameters remembers (outside training q
 #: uses that average: ``Predictive``, ``median``, ``quantiles``). In the drop-in loop on the synthetic regression
-#: (seed 0) the max error of the means went from 0.148 to 0.098 sd. Corrected for the parameters' drift
-#: (:func:`drift_corrected_average_update`)
+#: (seed 0) the max error of the means went from 0.148 to 0.098 sd. Corrected for the parameters' drift (Brown's
+#: double smoothing: the first average plus 1 + f times its excess over an average of itself), it removed the lag
+#: behind the non-centred eight schools' mean at Adam's rate 0.005 (max error seeds 0-2 0.133 / 0.119 / 0.163 → 0.118
+#: / 0.125 / 0.145), but extrapolated the centred eight schools' tau at rate 0.01, still drifting up at the end, to
+#: 0.51 posterior sds high (0.20 plain; seed 0): not used
 TAIL_FRACTION = 0.25
 #: every this many training calls, continuous levels' slopes on their parents are read from the model again at the
 #: current centre of q (:meth:`AutoHierarchicalVM._refresh_slopes`). Read once, at the init values, they stayed
@@ -530,10 +533,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
     **Averaging.** Outside training (``Predictive``, ``median``, ``quantiles``: calls without gradients) ``q`` uses the
     tail average of its parameters over about the last :data:`TAIL_FRACTION` of the training steps (Polyak–Ruppert),
     for levels of continuous sites without a subsampled plate; ``r``'s parameters are not averaged (they do not enter
-    the draws). The average is corrected for the parameters' drift (:func:`drift_corrected_average_update`): a plain
-    tail average lags parameters that still move when training ends by a fifth of the way they travelled over the
-    window (the non-centred eight schools' mean at Adam's rate 0.005: 0.1 behind the last iterate, 0.03 posterior
-    sds). The averages are state without gradients (:meth:`state_parameters`).
+    the draws). The average is state without gradients (:meth:`state_parameters`).
 
     **Variance reduction.** The gradient of λ's locations in plate levels carries a control variate
     (:meth:`_location_control_variate`): the model's curvature times each element's own draw noise, zero on average,
@@ -744,9 +744,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
         for attr in self._averaged:
             event_dim = self.prior_params._pyro_params[attr][1]
             value = getattr(self.prior_params, attr).detach().clone()
-            # the two averages of drift_corrected_average_update, stacked: the estimate is derived where it is read
-            both = torch.stack([value, value])
-            setattr(self.averages, attr, PyroParam(both, constraints.real, event_dim=event_dim + 1))
+            setattr(self.averages, attr, PyroParam(value, constraints.real, event_dim=event_dim))
             getattr(self.averages, attr)  # (read once: a trace of this call records the parameter, not its init)
         if self._averaged:
             self.averages.count = PyroParam(torch.zeros(()).to(value), constraints.real)
@@ -800,7 +798,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
         count.add_(1)
         averages = [held[f"{attr}_unconstrained"] for attr in self._averaged]
         values = [live[f"{attr}_unconstrained"] for attr in self._averaged]
-        drift_corrected_average_update(averages, values, int(count), TAIL_FRACTION)  # (one fused update of all)
+        tail_average_update(averages, values, int(count), TAIL_FRACTION)  # (one fused update of all of them)
 
     def _use_average(self) -> bool:
         """Outside training (``Predictive``, ``median``, ``quantiles``: any call without gradients) ``q`` uses the tail
@@ -1018,17 +1016,11 @@ class AutoHierarchicalVM(HierarchicalGuide):
         untraced = not torch.is_grad_enabled() and not torch.jit.is_tracing()
         read = []
         for module, attr, rate, averaged in self._level_param_keys(level):
-            if average and averaged:
-                params = self.averages
-                value = stored_param(params, attr) if untraced else getattr(params, attr)
-                read.append(value)
-                value = drift_corrected_average(value)
-            else:
-                params = self._modules[module]
-                value = stored_param(params, attr) if untraced else getattr(params, attr)
-                read.append(value)
+            params = self.averages if average and averaged else self._modules[module]
+            value = stored_param(params, attr) if untraced else getattr(params, attr)
+            read.append(value)
             if selection is not None:
-                value = select_elements(value, selection, self._modules[module]._pyro_params[attr][1])
+                value = select_elements(value, selection, params._pyro_params[attr][1])
             out[attr] = value if rate == 1.0 else rate * value
         if untraced and (selection is None or all(i is None for i in selection.values())):
             # calls without gradients (Predictive's, one per draw) on the same tensors, unchanged since (an optimiser
@@ -1425,7 +1417,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
                 self.prior_params.get_parameter(f"{spec.key}_slopes_unconstrained").add_(delta)
                 attr = f"{spec.key}_slopes"
                 if attr in self._averaged:
-                    self.averages.get_parameter(f"{attr}_unconstrained").add_(delta)  # (both averages)
+                    self.averages.get_parameter(f"{attr}_unconstrained").add_(delta)
                 old.copy_(new)
 
     def _model_slopes(
@@ -1872,50 +1864,6 @@ class AutoHierarchicalVM(HierarchicalGuide):
             term = per_coord.sum(-1)  # (K, n)
             total = term if total is None else total + term
         return torch.logsumexp(log_pi.unsqueeze(-1) + total, 0)
-
-
-def drift_corrected_average_update(
-    state: list[torch.Tensor], value: list[torch.Tensor], count: int, fraction: float
-) -> None:
-    r"""One step of a tail average corrected for the drift of what it averages, in place (Brown's double exponential
-    smoothing, for the growing window of :func:`~pyro_hier.optim.tail_average_update`); the estimate is
-    :func:`drift_corrected_average` of the state.
-
-    With :math:`\beta_n = 1 / \max(1, f n)`, a first average :math:`a_n = a_{n-1} + \beta_n (\phi_n - a_{n-1})`
-    and a second one of the first, :math:`b_n = b_{n-1} + \beta_n (a_n - b_{n-1})`, the estimate is
-
-    .. math:: \hat\phi_n = a_n + (1 + f)(a_n - b_n).
-
-    For values drifting at a steady rate, :math:`\phi_n = v n`, the first average lags by :math:`v n f / (1 + f)`
-    (it tends to :math:`v n / (1 + f)`) and the second lags the first by :math:`1 / (1 + f)` of that, so
-    :math:`\hat\phi_n = \phi_n` up to terms that fade like :math:`1/n`; for values jittering about a fixed point it
-    is still an average of them (weights summing to 1), with about 2.9 times the plain average's variance for
-    independent jitter. A tail average that is read while the parameters still move (the mean of the non-centred
-    eight schools at Adam's rate 0.005) is then not left behind them.
-
-    :param state: for each value, a tensor ``(2, *shape)`` holding :math:`(a_{n-1}, b_{n-1})`, updated in place
-        (start both at the initial value).
-    :param value: :math:`\phi_n`.
-    :param count: :math:`n \ge 1`.
-    :param fraction: :math:`f \in (0, 1]`.
-
-    Example::
-
-        state = torch.stack([loc.detach(), loc.detach()])
-        for n in range(1, 101):
-            ...  # an optimiser step on loc
-            drift_corrected_average_update([state], [loc], n, fraction=0.25)
-        estimate = drift_corrected_average(state, fraction=0.25)
-    """
-    first = [t[0] for t in state]
-    tail_average_update(first, value, count, fraction)
-    tail_average_update([t[1] for t in state], first, count, fraction)
-
-
-def drift_corrected_average(state: torch.Tensor, fraction: float = TAIL_FRACTION) -> torch.Tensor:
-    r"""The estimate :math:`a + (1 + f)(a - b)` of :func:`drift_corrected_average_update`'s state ``(2, *shape)``."""
-    first = state[0]
-    return first + (1.0 + fraction) * (first - state[1])
 
 
 @contextmanager

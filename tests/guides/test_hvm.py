@@ -12,13 +12,7 @@ from pyro.infer import SVI, JitTrace_ELBO, Trace_ELBO, TraceEnum_ELBO, TraceGrap
 from pyro.infer.autoguide import AutoNormal, init_to_value
 
 from pyro_hier import AutoHierarchicalVM, StructureError
-from pyro_hier.guides.hvm import (
-    _LOGIT_SCALE,
-    ImplicitMixtureOfDiagNormals,
-    _gauss_hermite,
-    drift_corrected_average,
-    drift_corrected_average_update,
-)
+from pyro_hier.guides.hvm import _LOGIT_SCALE, ImplicitMixtureOfDiagNormals, _gauss_hermite
 from pyro_hier.problems import count_pair
 from pyro_hier.transforms import positive
 
@@ -542,10 +536,10 @@ def test_predictive_calls_read_the_store_without_param_statements_and_follow_tra
     level = guide.levels[0]
     with torch.no_grad():
         params = guide._element_params(level)
-    torch.testing.assert_close(params["globals_locs"], drift_corrected_average(guide.averages.globals_locs))
+    torch.testing.assert_close(params["globals_locs"], guide.averages.globals_locs)
 
 
-# ---- the globals' control variate and the drift-corrected average ---------------------------------------------------
+# ---- the globals' control variate ------------------------------------------------------------------------------------
 def test_global_control_variate_estimates_the_precision_and_cuts_the_noise(monkeypatch):
     """The globals' control variate (``_global_control_variate``) estimates the curvature along the draw noise from
     the run itself (here exact: ``1 + 8 / 0.5² = 33`` for ``mu``), leaves the loss and the mean gradient as they are,
@@ -587,26 +581,3 @@ def test_global_control_variate_estimates_the_precision_and_cuts_the_noise(monke
     assert loss_cv == pytest.approx(loss, rel=1e-12)  # the term's value is zero, draw by draw
     assert with_cv.std() < 0.1 * without.std(), (with_cv.std(), without.std())
     assert (with_cv.mean() - without.mean()).abs() < 4 * without.std() / math.sqrt(40)
-
-
-def test_drift_corrected_average_follows_a_drift_and_averages_jitter():
-    """``drift_corrected_average_update``: no lag behind values drifting at a steady rate (the plain tail average
-    lags by a fifth of the way travelled, with f = 1/4), and still an average of values jittering about a point."""
-    from pyro_hier.optim import tail_average_update
-
-    plain, state = torch.zeros(1, dtype=f64), torch.zeros(2, 1, dtype=f64)
-    for n in range(1, 2001):
-        value = torch.full((1,), 0.001 * n, dtype=f64)
-        tail_average_update(plain, value, n, 0.25)
-        drift_corrected_average_update([state], [value], n, 0.25)
-    assert float(plain) == pytest.approx(1.6, abs=1e-3)  # 2.0 travelled, a fifth of it behind
-    assert float(drift_corrected_average(state, 0.25)) == pytest.approx(2.0, abs=1e-6)
-
-    torch.manual_seed(0)
-    state = torch.zeros(2, 500, dtype=f64)
-    for n in range(1, 2001):
-        drift_corrected_average_update([state], [3.0 + torch.randn(500, dtype=f64)], n, 0.25)
-    # about the last 500 values, with 2.9 times a plain average's variance: sd about 0.076
-    estimate = drift_corrected_average(state, 0.25)
-    assert float(estimate.mean()) == pytest.approx(3.0, abs=0.02)
-    assert 0.05 < float(estimate.std()) < 0.1
