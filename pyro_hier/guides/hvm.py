@@ -1193,8 +1193,9 @@ class AutoHierarchicalVM(HierarchicalGuide):
         in its unconstrained space (:func:`~pyro_hier.conjugate.gaussian_prior`), ``(C,)`` booleans: where the
         globals' control variate applies. A scale's log under a HalfCauchy or Uniform prior is not: with the control
         variate on it too, the centred eight schools' ``tau`` at Adam's rate 0.05 ended 0.54 posterior sds high
-        (seed 0; AutoNormal 0.46, without it 0.43) and the non-centred one's at rate 0.005 was slower (seeds 0-2:
-        max error 0.139 / 0.159 / 0.166 against 0.118 / 0.125 / 0.145 with the means' alone)."""
+        (seed 0; AutoNormal 0.46, 0.43 with the means' alone; both with a drift-corrected tail average, see
+        :data:`TAIL_FRACTION`) and the non-centred one's at rate 0.005 was slower (seeds 0-2: max error 0.146 / 0.131
+        / 0.183 against 0.133 / 0.119 / 0.163 with the means' alone)."""
         assert self.structure is not None and self.prototype_trace is not None
         parts = []
         for spec in level.sites:
