@@ -537,3 +537,47 @@ def test_predictive_calls_read_the_store_without_param_statements_and_follow_tra
     with torch.no_grad():
         params = guide._element_params(level)
     torch.testing.assert_close(params["globals_locs"], guide.averages.globals_locs)
+
+
+# ---- the globals' control variate ------------------------------------------------------------------------------------
+def test_global_control_variate_estimates_the_precision_and_cuts_the_noise(monkeypatch):
+    """The globals' control variate (``_global_control_variate``) estimates the curvature along the draw noise from
+    the run itself (here exact: ``1 + 8 / 0.5² = 33`` for ``mu``), leaves the loss and the mean gradient as they are,
+    and takes the global's own draw noise out of its location's gradient. Measured when written: the estimate 33.4
+    after 300 steps; over 40 draws the gradient's sd fell from 3.06 to 0.036."""
+    y = torch.tensor([0.3, -1.2, 2.0, 0.7, -0.4, 1.1, 0.2, -0.6], dtype=f64)
+
+    def model():
+        mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=f64), 1.0))
+        with pyro.plate("obs", 8):
+            pyro.sample("y", dist.Normal(mu, 0.5), obs=y)
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoHierarchicalVM(model)
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.02}), Trace_ELBO())
+    for _ in range(300):
+        svi.step()
+    precision = guide.state_parameters()["precisions.globals_cv_precision_unconstrained"]
+    assert precision.grad is None and float(precision) == pytest.approx(33.0, rel=0.2)
+
+    elbo = Trace_ELBO()
+    locs = guide.prior_params.get_parameter("globals_locs_unconstrained")
+
+    def gradients(on: bool) -> tuple[torch.Tensor, list[float]]:
+        if not on:
+            monkeypatch.setattr(guide, "_global_control_variate", lambda *a, **k: None)
+        grads, losses = [], []
+        for i in range(40):
+            pyro.set_rng_seed(i)
+            locs.grad = None
+            losses.append(elbo.loss_and_grads(model, guide))
+            grads.append(locs.grad.reshape(-1)[0].clone())  # λ₁'s location (not λ₂, the log-sd)
+        monkeypatch.undo()
+        return torch.stack(grads), losses
+
+    with_cv, loss_cv = gradients(True)
+    without, loss = gradients(False)
+    assert loss_cv == pytest.approx(loss, rel=1e-12)  # the term's value is zero, draw by draw
+    assert with_cv.std() < 0.1 * without.std(), (with_cv.std(), without.std())
+    assert (with_cv.mean() - without.mean()).abs() < 4 * without.std() / math.sqrt(40)
