@@ -433,6 +433,7 @@ def conjugate_offset(ref_loc: torch.Tensor, ref_precision: torch.Tensor, mean: t
         return (ref_precision @ (mean - ref_loc).unsqueeze(-1)).squeeze(-1)
     return ref_precision * (mean - ref_loc)
 
+
 def gaussian_update(
     prior: GaussianPrior, precision: torch.Tensor, natural: torch.Tensor, precision_tril: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -201,12 +201,11 @@ class _PerturbedDraw(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, raw, fisher_sd, mean, offset, prior_precision, prior_loc, eps_root, eps_prior, *held):
-        loc, tril, root, factor, scale, root_mean = held
+        loc, tril, root = held[:3]
         noise = _mv(root, eps_root) + prior_precision.detach().sqrt() * eps_prior
         u = loc + _precision_solve(tril, noise)
-        ctx.save_for_backward(
-            fisher_sd.detach(), mean.detach(), prior_precision.detach(), prior_loc.detach(), *held, eps_root, eps_prior, u
-        )
+        parts = (fisher_sd, mean, prior_precision, prior_loc)
+        ctx.save_for_backward(*(t.detach() for t in parts), *held, eps_root, eps_prior, u)
         ctx.shapes = [t.shape for t in (raw, fisher_sd, mean, offset, prior_precision, prior_loc)]
         return u
 
@@ -243,8 +242,9 @@ class ConjugateNormal(CholeskyPrecisionNormal):
 
     .. math::
 
-        P = \operatorname{diag}(p_0) + A A^\top, \qquad \eta = p_0 \odot m_0 + A A^\top M + c, \qquad
-        A = R\,L, \quad L = \operatorname{diag}(s)\,(I + \operatorname{tril}_{-1} W), \quad s = e^{\operatorname{diag} W},
+        P = \operatorname{diag}(p_0) + A A^\top, \qquad \eta = p_0 \odot m_0 + A A^\top M + c, \\
+        A = R\,L, \quad L = \operatorname{diag}(s)\,(I + \operatorname{tril}_{-1} W), \\
+        s = e^{\operatorname{diag} W},
 
     :math:`(m_0, p_0)` the prior conditional's mean and precision (diagonal), :math:`A` the root of the
     pseudo-observation's precision, :math:`M` and :math:`c` what makes its natural parameter: the branch guide's dense
@@ -307,7 +307,11 @@ class ConjugateNormal(CholeskyPrecisionNormal):
         self.fisher_sd, self.raw, self.mean_param, self.offset = fisher_sd, raw, mean, offset
         self.prior_loc, self.prior_precision = prior_loc, prior_precision
         batch = torch.broadcast_shapes(
-            fisher_sd.shape[:-2], raw.shape[:-2], mean.shape[:-1], offset.shape[:-1], prior_loc.shape[:-1],
+            fisher_sd.shape[:-2],
+            raw.shape[:-2],
+            mean.shape[:-1],
+            offset.shape[:-1],
+            prior_loc.shape[:-1],
             prior_precision.shape[:-1],
         )
         with torch.no_grad():
@@ -328,8 +332,7 @@ class ConjugateNormal(CholeskyPrecisionNormal):
 
     def rsample(self, sample_shape: tuple[int, ...] = ()) -> torch.Tensor:
         shape = self._extended_shape(sample_shape)
-        eps_root = _standard_normal(shape, dtype=self.loc.dtype, device=self.loc.device)
-        eps_prior = _standard_normal(shape, dtype=self.loc.dtype, device=self.loc.device)
+        eps_root, eps_prior = _standard_normal((2, *shape), dtype=self.loc.dtype, device=self.loc.device)
         return _PerturbedDraw.apply(
             self.raw,
             self.fisher_sd,
@@ -368,6 +371,7 @@ class ConjugateNormal(CholeskyPrecisionNormal):
             self.prior_loc.expand(batch_shape + d),
             self.prior_precision.expand(batch_shape + d),
         )
+
 
 class ConjugateScorer(dist.TorchDistribution):
     r"""The scorer of :class:`StickingTheLanding` for a conjugate conditional whose prior part is live and whose

@@ -973,7 +973,9 @@ class AutoBranchGuide(HierarchicalGuide):
         if scored and not diagonal and prior.diagonal and slopes is None:
             # drawn by perturbation (no derivative of a factorisation), scored from q's own factor in closed form
             root = refs[2] if refs[2].dim() > mean.dim() else torch.diag_embed(refs[2])
-            offset = conjugate_offset(refs[0], refs[1], mean)
+            # (a diagonal prior's reference precision is diagonal: its diagonal, not a product with the matrix)
+            ref_precision = refs[1].diagonal(dim1=-2, dim2=-1) if refs[1].dim() > mean.dim() else refs[1]
+            offset = conjugate_offset(refs[0], ref_precision, mean)
             q = ConjugateNormal(root, raw, mean, offset, prior.loc, prior.precision)
             return StickingTheLanding(q, ConjugateScorer(q.loc, q.precision_tril, prior.loc, prior.precision))
         factor = positive(raw) if diagonal else scale_tril_from_raw(raw)
