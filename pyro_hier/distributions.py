@@ -133,13 +133,18 @@ class CholeskyPrecisionNormal(dist.TorchDistribution):
         return torch.linalg.solve_triangular(self.precision_tril, eye, upper=False)
 
     @property
+    def inverse_tril(self) -> torch.Tensor:
+        """:math:`C^{-1}` (lower triangular): the covariance is :math:`C^{-\top} C^{-1}`."""
+        return self._inverse_tril
+
+    @property
     def covariance_matrix(self) -> torch.Tensor:
         inv = self._inverse_tril
         return inv.mT @ inv
 
     @property
     def variance(self) -> torch.Tensor:
-        return self._inverse_tril.pow(2).sum(-2)
+        return torch.linalg.vector_norm(self._inverse_tril, dim=-2).square()
 
     @property
     def scale_tril(self) -> torch.Tensor:
@@ -185,6 +190,11 @@ def _mv(matrix: torch.Tensor, vector: torch.Tensor) -> torch.Tensor:
     return (matrix @ vector.unsqueeze(-1)).squeeze(-1)
 
 
+def _inverse_solve(inverse_tril: torch.Tensor, vector: torch.Tensor) -> torch.Tensor:
+    """:math:`(C C^\top)^{-1} b = C^{-\top} (C^{-1} b)` from ``inverse_tril`` :math:`C^{-1}` (two products)."""
+    return _mv(inverse_tril.mT, _mv(inverse_tril, vector))
+
+
 def _precision_solve(tril: torch.Tensor, vector: torch.Tensor) -> torch.Tensor:
     """:math:`(C C^\top)^{-1} b` for the lower factor ``tril`` :math:`C` and vectors ``b (..., d)`` (broadcast)."""
     d = vector.shape[-1]
@@ -201,9 +211,9 @@ class _PerturbedDraw(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, raw, fisher_sd, mean, offset, prior_precision, prior_loc, eps_root, eps_prior, *held):
-        loc, tril, root = held[:3]
+        loc, inverse_tril, root = held[:3]
         noise = _mv(root, eps_root) + prior_precision.detach().sqrt() * eps_prior
-        u = loc + _precision_solve(tril, noise)
+        u = loc + _inverse_solve(inverse_tril, noise)
         parts = (fisher_sd, mean, prior_precision, prior_loc)
         ctx.save_for_backward(*(t.detach() for t in parts), *held, eps_root, eps_prior, u)
         ctx.shapes = [t.shape for t in (raw, fisher_sd, mean, offset, prior_precision, prior_loc)]
@@ -211,8 +221,10 @@ class _PerturbedDraw(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        fisher_sd, mean, p0, m0, _, tril, root, factor, scale, root_mean, eps_root, eps_prior, u = ctx.saved_tensors
-        v = _precision_solve(tril, grad)  # P⁻¹ ḡ
+        fisher_sd, mean, p0, m0, _, inverse_tril, root, factor, scale, root_mean, eps_root, eps_prior, u = (
+            ctx.saved_tensors
+        )
+        v = _inverse_solve(inverse_tril, grad)  # P⁻¹ ḡ
         batch = v.shape[:-1]
         root = root.expand((*batch, *root.shape[-2:]))
         root_uv = root.mT @ torch.stack([u, v], -1)  # (Aᵀu, Aᵀv)
@@ -327,8 +339,11 @@ class ConjugateNormal(CholeskyPrecisionNormal):
             tril = torch.linalg.cholesky(precision)
             self.root_mean = _mv(self.root.mT, mean)  # AᵀM
             eta = prior_precision * prior_loc + _mv(self.root, self.root_mean) + offset
-            loc = _precision_solve(tril, eta)
+            eye = torch.eye(d, dtype=tril.dtype, device=tril.device)
+            inverse_tril = torch.linalg.solve_triangular(tril, eye, upper=False)  # C⁻¹: solves are products with it
+            loc = _inverse_solve(inverse_tril, eta)
         super().__init__(loc, tril, validate_args=False)
+        self._inverse_tril = inverse_tril.expand(self.precision_tril.shape)
 
     def rsample(self, sample_shape: tuple[int, ...] = ()) -> torch.Tensor:
         shape = self._extended_shape(sample_shape)
@@ -342,7 +357,7 @@ class ConjugateNormal(CholeskyPrecisionNormal):
             self.prior_loc,
             eps_root,
             eps_prior,
-            *(self.loc, self.precision_tril, self.root, self.factor, self.scale, self.root_mean),
+            *(self.loc, self._inverse_tril, self.root, self.factor, self.scale, self.root_mean),
         )
 
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
@@ -394,7 +409,8 @@ class ConjugateScorer(dist.TorchDistribution):
         \partial_{p_0} \log q = \tfrac12 \operatorname{diag}(P^{-1}) - \tfrac12 r \odot r + r \odot (m_0 - \ell).
 
     The first is that of the held Gaussian; the others enter as a zero-valued term
-    :math:`g^\top (x - x_{\text{stop}})`.
+    :math:`g^\top (x - x_{\text{stop}})`. ``inverse_tril``: :math:`C^{-1}` when the sampler has made it already
+    (:attr:`CholeskyPrecisionNormal.inverse_tril`), for :math:`\operatorname{diag}(P^{-1})`.
 
     Example::
 
@@ -416,8 +432,11 @@ class ConjugateScorer(dist.TorchDistribution):
         prior_loc: torch.Tensor,
         prior_precision: torch.Tensor,
         validate_args=None,
+        inverse_tril: torch.Tensor | None = None,
     ) -> None:
         self.held = CholeskyPrecisionNormal(loc.detach(), precision_tril.detach())
+        if inverse_tril is not None:  # (the sampler's C⁻¹, made already: not made again)
+            self.held._inverse_tril = inverse_tril.detach().expand(self.held.precision_tril.shape)
         self.prior_loc, self.prior_precision = prior_loc, prior_precision
         super().__init__(self.held.batch_shape, self.held.event_shape, validate_args=False)
 

@@ -977,7 +977,8 @@ class AutoBranchGuide(HierarchicalGuide):
             ref_precision = refs[1].diagonal(dim1=-2, dim2=-1) if refs[1].dim() > mean.dim() else refs[1]
             offset = conjugate_offset(refs[0], ref_precision, mean)
             q = ConjugateNormal(root, raw, mean, offset, prior.loc, prior.precision)
-            return StickingTheLanding(q, ConjugateScorer(q.loc, q.precision_tril, prior.loc, prior.precision))
+            scorer = ConjugateScorer(q.loc, q.precision_tril, prior.loc, prior.precision, inverse_tril=q.inverse_tril)
+            return StickingTheLanding(q, scorer)
         factor = positive(raw) if diagonal else scale_tril_from_raw(raw)
 
         def build(mean, factor, delta=None if deltas is None else deltas[0]):
