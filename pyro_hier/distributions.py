@@ -206,8 +206,9 @@ def _precision_solve(tril: torch.Tensor, vector: torch.Tensor) -> torch.Tensor:
 
 class _PerturbedDraw(torch.autograd.Function):
     r"""The draw of :class:`ConjugateNormal`, :math:`u = \ell + P^{-1}(A\varepsilon_1 + \sqrt{p_0}\odot\varepsilon_2)`,
-    from its held parts (``q``: :math:`\ell`, the factors, :math:`A^\top M`), with the gradients of its class docstring
-    in the differentiable inputs ``raw, fisher_sd, mean, offset, prior_precision, prior_loc``."""
+    from its held parts (``held``: :math:`\ell`, :math:`C^{-1}`, :math:`A`, :math:`L`, :math:`s`, :math:`A^\top M`),
+    with the gradients of its class docstring in the differentiable inputs ``raw, fisher_sd, mean, offset,
+    prior_precision, prior_loc``."""
 
     @staticmethod
     def forward(ctx, raw, fisher_sd, mean, offset, prior_precision, prior_loc, eps_root, eps_prior, *held):
@@ -260,7 +261,7 @@ class ConjugateNormal(CholeskyPrecisionNormal):
 
     :math:`(m_0, p_0)` the prior conditional's mean and precision (diagonal), :math:`A` the root of the
     pseudo-observation's precision, :math:`M` and :math:`c` what makes its natural parameter: the branch guide's dense
-    conjugate level (:func:`~pyro_hier.conjugate.conjugate_conditional`, :func:`~pyro_hier.conjugate.conjugate_parts`:
+    conjugate level (:func:`~pyro_hier.conjugate.conjugate_conditional`, :func:`~pyro_hier.conjugate.conjugate_offset`:
     :math:`R` the reference curvature's root, :math:`L` the relative factor of
     :func:`~pyro_hier.transforms.scale_tril_from_raw` with raw :math:`W`, :math:`c = \bar P_0 (M - \bar m_0)`).
     Draws are reparameterised by *perturbation*: with :math:`\varepsilon_1, \varepsilon_2 \sim \mathcal N(0, I_d)`,
@@ -284,10 +285,10 @@ class ConjugateNormal(CholeskyPrecisionNormal):
         \partial_{W_{ij}} = s_i\,(R^\top X Y^\top)_{ij}\ (j < i), \qquad
         \partial_{W_{ii}} = \textstyle\sum_k (R^\top X)_{ik} (L Y)_{ik}, \qquad \partial_R = X (L Y)^\top:
 
-    two solves with the Cholesky factor :math:`C` of :math:`P` (made once, without gradient) and products of rank 2,
-    where the draw :math:`\ell + C^{-\top}\varepsilon` of :class:`CholeskyPrecisionNormal` differentiates through the
-    factorisation and every matrix product (matrix triangular solves per element). Same distribution, another
-    reparameterisation of it: the ELBO's gradient has the same expectation.
+    products with :math:`C^{-1}`, :math:`C` the Cholesky factor of :math:`P` (both made once, without gradient), and
+    products of rank 2, where the draw :math:`\ell + C^{-\top}\varepsilon` of :class:`CholeskyPrecisionNormal`
+    differentiates through the factorisation and every matrix product (matrix triangular solves per element). Same
+    distribution, another reparameterisation of it: the ELBO's gradient has the same expectation.
 
     ``loc`` and ``precision_tril`` (:math:`C`) are held (no gradient: for :class:`ConjugateScorer`, summaries and
     moments); :meth:`rsample` and :meth:`log_prob` carry the gradients in :math:`W, R, M, c, m_0, p_0`.
