@@ -74,6 +74,7 @@ __all__ = [
     "capture_priors",
     "conditional_mode",
     "conjugate_conditional",
+    "conjugate_offset",
     "element_curvature",
     "element_expansion",
     "gaussian_log_normaliser",
@@ -504,6 +505,17 @@ def conjugate_conditional(
     else:
         lam = lam_ref
     return gaussian_update(prior, lam, natural, precision_tril=precision_tril)
+
+
+def conjugate_offset(ref_loc: torch.Tensor, ref_precision: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    r""":math:`c = \bar P_0 (\bar M - \bar m_0)`: the pseudo-observation's natural parameter of
+    :func:`conjugate_conditional` (a matrix ``factor``, no shift) less :math:`\bar\Lambda \bar M`, so that
+    :math:`\bar\Lambda \bar t = \bar\Lambda \bar M + c` and :math:`q = \mathcal N(P^{-1}\eta, P^{-1})` with
+    :math:`P = P_0 + \bar\Lambda`, :math:`\eta = P_0 m_0 + \bar\Lambda \bar M + c`
+    (:class:`~pyro_hier.distributions.ConjugateNormal`; ``ref_precision`` diagonal ``(..., d)`` or full)."""
+    if ref_precision.dim() > mean.dim():
+        return (ref_precision @ (mean - ref_loc).unsqueeze(-1)).squeeze(-1)
+    return ref_precision * (mean - ref_loc)
 
 
 def gaussian_update(

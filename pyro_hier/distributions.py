@@ -12,7 +12,9 @@ import torch
 from torch.distributions import constraints
 from torch.distributions.utils import _standard_normal, lazy_property
 
-__all__ = ["CholeskyPrecisionNormal", "ConjugateScorer", "StickingTheLanding", "unwrap"]
+from pyro_hier.transforms import positive, scale_tril_from_raw
+
+__all__ = ["CholeskyPrecisionNormal", "ConjugateNormal", "ConjugateScorer", "StickingTheLanding", "unwrap"]
 
 
 class StickingTheLanding(dist.TorchDistribution):
@@ -131,13 +133,18 @@ class CholeskyPrecisionNormal(dist.TorchDistribution):
         return torch.linalg.solve_triangular(self.precision_tril, eye, upper=False)
 
     @property
+    def inverse_tril(self) -> torch.Tensor:
+        """:math:`C^{-1}` (lower triangular): the covariance is :math:`C^{-\top} C^{-1}`."""
+        return self._inverse_tril
+
+    @property
     def covariance_matrix(self) -> torch.Tensor:
         inv = self._inverse_tril
         return inv.mT @ inv
 
     @property
     def variance(self) -> torch.Tensor:
-        return self._inverse_tril.pow(2).sum(-2)
+        return torch.linalg.vector_norm(self._inverse_tril, dim=-2).square()
 
     @property
     def scale_tril(self) -> torch.Tensor:
@@ -168,6 +175,220 @@ class CholeskyPrecisionNormal(dist.TorchDistribution):
         )
 
 
+def _sum_to(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``grad`` summed over the dimensions that broadcasting added to or stretched in a tensor of ``shape``."""
+    if grad.shape == shape:
+        return grad
+    lead = grad.dim() - len(shape)
+    if lead > 0:
+        grad = grad.sum(tuple(range(lead)))
+    stretched = tuple(i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1)
+    return grad.sum(stretched, keepdim=True) if stretched else grad
+
+
+def _mv(matrix: torch.Tensor, vector: torch.Tensor) -> torch.Tensor:
+    return (matrix @ vector.unsqueeze(-1)).squeeze(-1)
+
+
+def _inverse_solve(inverse_tril: torch.Tensor, vector: torch.Tensor) -> torch.Tensor:
+    """:math:`(C C^\top)^{-1} b = C^{-\top} (C^{-1} b)` from ``inverse_tril`` :math:`C^{-1}` (two products)."""
+    return _mv(inverse_tril.mT, _mv(inverse_tril, vector))
+
+
+def _precision_solve(tril: torch.Tensor, vector: torch.Tensor) -> torch.Tensor:
+    """:math:`(C C^\top)^{-1} b` for the lower factor ``tril`` :math:`C` and vectors ``b (..., d)`` (broadcast)."""
+    d = vector.shape[-1]
+    batch = torch.broadcast_shapes(vector.shape[:-1], tril.shape[:-2])
+    tril = tril.expand((*batch, d, d))
+    white = torch.linalg.solve_triangular(tril, vector.expand((*batch, d)).unsqueeze(-1), upper=False)
+    return torch.linalg.solve_triangular(tril.mT, white, upper=True).squeeze(-1)
+
+
+class _PerturbedDraw(torch.autograd.Function):
+    r"""The draw of :class:`ConjugateNormal`, :math:`u = \ell + P^{-1}(A\varepsilon_1 + \sqrt{p_0}\odot\varepsilon_2)`,
+    from its held parts (``held``: :math:`\ell`, :math:`C^{-1}`, :math:`A`, :math:`L`, :math:`s`, :math:`A^\top M`),
+    with the gradients of its class docstring in the differentiable inputs ``raw, fisher_sd, mean, offset,
+    prior_precision, prior_loc``."""
+
+    @staticmethod
+    def forward(ctx, raw, fisher_sd, mean, offset, prior_precision, prior_loc, eps_root, eps_prior, *held):
+        loc, inverse_tril, root = held[:3]
+        noise = _mv(root, eps_root) + prior_precision.detach().sqrt() * eps_prior
+        u = loc + _inverse_solve(inverse_tril, noise)
+        parts = (fisher_sd, mean, prior_precision, prior_loc)
+        ctx.save_for_backward(*(t.detach() for t in parts), *held, eps_root, eps_prior, u)
+        ctx.shapes = [t.shape for t in (raw, fisher_sd, mean, offset, prior_precision, prior_loc)]
+        return u
+
+    @staticmethod
+    def backward(ctx, grad):
+        fisher_sd, mean, p0, m0, _, inverse_tril, root, factor, scale, root_mean, eps_root, eps_prior, u = (
+            ctx.saved_tensors
+        )
+        v = _inverse_solve(inverse_tril, grad)  # P⁻¹ ḡ
+        batch = v.shape[:-1]
+        root = root.expand((*batch, *root.shape[-2:]))
+        root_uv = root.mT @ torch.stack([u, v], -1)  # (Aᵀu, Aᵀv)
+        root_v = root_uv[..., 1]
+        # ∂/∂A = X Yᵀ, X = (v, M − u), Y = (ε₁ + AᵀM − Aᵀu, Aᵀv): from b and from P (∂/∂P = −v uᵀ)
+        left = torch.stack([v, mean - u], -1)
+        right = torch.stack([eps_root + root_mean - root_uv[..., 0], root_v], -1)
+        needs = ctx.needs_input_grad
+        grad_raw = grad_sd = None
+        if needs[0]:  # A = R L, L = diag(s)(I + tril₋₁(W)), s = exp(diag W)
+            r_left = fisher_sd.mT @ left  # Rᵀ X: ∂L = Rᵀ X Yᵀ
+            grad_raw = (scale.unsqueeze(-1) * r_left) @ right.mT  # s ⊙ ∂L, then the strict lower triangle of it
+            grad_raw = grad_raw.tril_(-1)
+            grad_raw.diagonal(dim1=-2, dim2=-1).copy_((r_left * (factor @ right)).sum(-1))  # Σ_j ∂L_ij L_ij
+            grad_raw = _sum_to(grad_raw, ctx.shapes[0])
+        if needs[1]:  # ∂R = ∂A Lᵀ
+            grad_sd = _sum_to(left @ (factor @ right).mT, ctx.shapes[1])
+        grad_mean = _sum_to(_mv(root, root_v), ctx.shapes[2]) if needs[2] else None
+        grad_offset = _sum_to(v, ctx.shapes[3]) if needs[3] else None
+        grad_p0 = _sum_to(v * (m0 - u) + v * eps_prior * (0.5 * p0.rsqrt()), ctx.shapes[4]) if needs[4] else None
+        grad_m0 = _sum_to(v * p0, ctx.shapes[5]) if needs[5] else None
+        return grad_raw, grad_sd, grad_mean, grad_offset, grad_p0, grad_m0, None, None, *(None for _ in range(6))
+
+
+class ConjugateNormal(CholeskyPrecisionNormal):
+    r"""A conjugate conditional :math:`\mathcal N(P^{-1}\eta,\ P^{-1})` given by its parts,
+
+    .. math::
+
+        P = \operatorname{diag}(p_0) + A A^\top, \qquad \eta = p_0 \odot m_0 + A A^\top M + c, \\
+        A = R\,L, \quad L = \operatorname{diag}(s)\,(I + \operatorname{tril}_{-1} W), \\
+        s = e^{\operatorname{diag} W},
+
+    :math:`(m_0, p_0)` the prior conditional's mean and precision (diagonal), :math:`A` the root of the
+    pseudo-observation's precision, :math:`M` and :math:`c` what makes its natural parameter: the branch guide's dense
+    conjugate level (:func:`~pyro_hier.conjugate.conjugate_conditional`, :func:`~pyro_hier.conjugate.conjugate_offset`:
+    :math:`R` the reference curvature's root, :math:`L` the relative factor of
+    :func:`~pyro_hier.transforms.scale_tril_from_raw` with raw :math:`W`, :math:`c = \bar P_0 (M - \bar m_0)`).
+    Draws are reparameterised by *perturbation*: with :math:`\varepsilon_1, \varepsilon_2 \sim \mathcal N(0, I_d)`,
+
+    .. math::
+
+        u = P^{-1}\big(\eta + A\varepsilon_1 + \sqrt{p_0}\odot\varepsilon_2\big), \qquad
+        \operatorname{Cov}(u) = P^{-1}(A A^\top + \operatorname{diag} p_0) P^{-1} = P^{-1},
+
+    so ``u`` has exactly this distribution (Papandreou & Yuille's perturb-and-MAP, exact for Gaussians), and its
+    derivatives need no derivative of a factorisation: with :math:`\bar g` the gradient in :math:`u` and
+    :math:`v = P^{-1}\bar g`, :math:`\partial/\partial P = -v u^\top` and :math:`\partial/\partial b = v`, so that
+    :math:`\partial_A = X Y^\top` with :math:`X = (v,\ M - u)`, :math:`Y = (\varepsilon_1 + A^\top M - A^\top u,\
+    A^\top v)` (rank 2), and
+
+    .. math::
+
+        \partial_M = A A^\top v, \quad \partial_c = v, \quad
+        \partial_{p_0} = v \odot (m_0 - u) + v \odot \varepsilon_2 / (2\sqrt{p_0}), \quad \partial_{m_0} = p_0 \odot v,
+        \\
+        \partial_{W_{ij}} = s_i\,(R^\top X Y^\top)_{ij}\ (j < i), \qquad
+        \partial_{W_{ii}} = \textstyle\sum_k (R^\top X)_{ik} (L Y)_{ik}, \qquad \partial_R = X (L Y)^\top:
+
+    products with :math:`C^{-1}`, :math:`C` the Cholesky factor of :math:`P` (both made once, without gradient), and
+    products of rank 2, where the draw :math:`\ell + C^{-\top}\varepsilon` of :class:`CholeskyPrecisionNormal`
+    differentiates through the factorisation and every matrix product (matrix triangular solves per element). Same
+    distribution, another reparameterisation of it: the ELBO's gradient has the same expectation.
+
+    ``loc`` and ``precision_tril`` (:math:`C`) are held (no gradient: for :class:`ConjugateScorer`, summaries and
+    moments); :meth:`rsample` and :meth:`log_prob` carry the gradients in :math:`W, R, M, c, m_0, p_0`.
+
+    Example::
+
+        q = ConjugateNormal(fisher_sd, raw, mean, offset, prior.loc, prior.precision)
+        q = StickingTheLanding(q, ConjugateScorer(q.loc, q.precision_tril, prior.loc, prior.precision))
+
+    Reference: G. Papandreou, A. Yuille, *Gaussian sampling by local perturbations*, NeurIPS 2010.
+    """
+
+    def __init__(
+        self,
+        fisher_sd: torch.Tensor,
+        raw: torch.Tensor,
+        mean: torch.Tensor,
+        offset: torch.Tensor,
+        prior_loc: torch.Tensor,
+        prior_precision: torch.Tensor,
+        validate_args=None,
+    ) -> None:
+        d = mean.shape[-1]
+        if raw.shape[-2:] != (d, d) or fisher_sd.shape[-2:] != (d, d):
+            raise ValueError(
+                f"fisher_sd and raw must be (..., {d}, {d}) for mean (..., {d}), got {tuple(fisher_sd.shape)} and "
+                f"{tuple(raw.shape)}"
+            )
+        self.fisher_sd, self.raw, self.mean_param, self.offset = fisher_sd, raw, mean, offset
+        self.prior_loc, self.prior_precision = prior_loc, prior_precision
+        batch = torch.broadcast_shapes(
+            fisher_sd.shape[:-2],
+            raw.shape[:-2],
+            mean.shape[:-1],
+            offset.shape[:-1],
+            prior_loc.shape[:-1],
+            prior_precision.shape[:-1],
+        )
+        with torch.no_grad():
+            self.scale = positive(raw.diagonal(dim1=-2, dim2=-1))
+            factor = raw.tril(-1)
+            factor.diagonal(dim1=-2, dim2=-1).fill_(1.0)
+            self.factor = factor.mul_(self.scale.unsqueeze(-1))  # L
+            self.root = fisher_sd @ self.factor  # A = R L
+            precision = self.root @ self.root.mT
+            if precision.shape[:-2] != batch:
+                precision = precision.expand((*batch, d, d)).clone()
+            precision.diagonal(dim1=-2, dim2=-1).add_(prior_precision)
+            tril = torch.linalg.cholesky(precision)
+            self.root_mean = _mv(self.root.mT, mean)  # AᵀM
+            eta = prior_precision * prior_loc + _mv(self.root, self.root_mean) + offset
+            eye = torch.eye(d, dtype=tril.dtype, device=tril.device)
+            inverse_tril = torch.linalg.solve_triangular(tril, eye, upper=False)  # C⁻¹: solves are products with it
+            loc = _inverse_solve(inverse_tril, eta)
+        super().__init__(loc, tril, validate_args=False)
+        self._inverse_tril = inverse_tril.expand(self.precision_tril.shape)
+
+    def rsample(self, sample_shape: tuple[int, ...] = ()) -> torch.Tensor:
+        shape = self._extended_shape(sample_shape)
+        eps_root, eps_prior = _standard_normal((2, *shape), dtype=self.loc.dtype, device=self.loc.device)
+        return _PerturbedDraw.apply(
+            self.raw,
+            self.fisher_sd,
+            self.mean_param,
+            self.offset,
+            self.prior_precision,
+            self.prior_loc,
+            eps_root,
+            eps_prior,
+            *(self.loc, self._inverse_tril, self.root, self.factor, self.scale, self.root_mean),
+        )
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        """The log density with gradients in every part (a factorisation with autograd: the branch guide scores
+        with :class:`ConjugateScorer` instead)."""
+        d = self.loc.shape[-1]
+        root = self.fisher_sd @ scale_tril_from_raw(self.raw)
+        precision = root @ root.mT + torch.diag_embed(self.prior_precision.expand(self.loc.shape))
+        eta = self.prior_precision * self.prior_loc + _mv(root, _mv(root.mT, self.mean_param)) + self.offset
+        tril = torch.linalg.cholesky(precision)
+        loc = _precision_solve(tril, eta)
+        m = _mv(tril.mT, value - loc)
+        half_log_det = tril.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+        return -0.5 * (d * math.log(2 * math.pi) + m.pow(2).sum(-1)) + half_log_det
+
+    def expand(self, batch_shape, _instance=None) -> ConjugateNormal:
+        batch_shape = torch.Size(batch_shape)
+        if batch_shape == self.batch_shape:
+            return self
+        d = self.event_shape
+        return ConjugateNormal(
+            self.fisher_sd.expand(batch_shape + d + d),
+            self.raw.expand(batch_shape + d + d),
+            self.mean_param.expand(batch_shape + d),
+            self.offset.expand(batch_shape + d),
+            self.prior_loc.expand(batch_shape + d),
+            self.prior_precision.expand(batch_shape + d),
+        )
+
+
 class ConjugateScorer(dist.TorchDistribution):
     r"""The scorer of :class:`StickingTheLanding` for a conjugate conditional whose prior part is live and whose
     pseudo-observation is held: :math:`q(u) = \mathcal N(\ell, P^{-1})` with
@@ -189,7 +410,8 @@ class ConjugateScorer(dist.TorchDistribution):
         \partial_{p_0} \log q = \tfrac12 \operatorname{diag}(P^{-1}) - \tfrac12 r \odot r + r \odot (m_0 - \ell).
 
     The first is that of the held Gaussian; the others enter as a zero-valued term
-    :math:`g^\top (x - x_{\text{stop}})`.
+    :math:`g^\top (x - x_{\text{stop}})`. ``inverse_tril``: :math:`C^{-1}` when the sampler has made it already
+    (:attr:`CholeskyPrecisionNormal.inverse_tril`), for :math:`\operatorname{diag}(P^{-1})`.
 
     Example::
 
@@ -211,8 +433,11 @@ class ConjugateScorer(dist.TorchDistribution):
         prior_loc: torch.Tensor,
         prior_precision: torch.Tensor,
         validate_args=None,
+        inverse_tril: torch.Tensor | None = None,
     ) -> None:
         self.held = CholeskyPrecisionNormal(loc.detach(), precision_tril.detach())
+        if inverse_tril is not None:  # (the sampler's C⁻¹, made already: not made again)
+            self.held._inverse_tril = inverse_tril.detach().expand(self.held.precision_tril.shape)
         self.prior_loc, self.prior_precision = prior_loc, prior_precision
         super().__init__(self.held.batch_shape, self.held.event_shape, validate_args=False)
 

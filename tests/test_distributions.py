@@ -5,8 +5,9 @@ import pyro.distributions as dist
 import pytest
 import torch
 
-from pyro_hier.conjugate import GaussianPrior, conjugate_conditional
-from pyro_hier.distributions import CholeskyPrecisionNormal, ConjugateScorer, StickingTheLanding
+from pyro_hier.conjugate import GaussianPrior, conjugate_conditional, conjugate_offset
+from pyro_hier.distributions import CholeskyPrecisionNormal, ConjugateNormal, ConjugateScorer, StickingTheLanding
+from pyro_hier.transforms import scale_tril_from_raw
 
 
 def _normal_pair():
@@ -102,6 +103,78 @@ def test_cholesky_precision_normal_is_the_multivariate_normal_of_that_precision(
     centred = draws - loc
     cov = torch.einsum("s...i,s...j->...ij", centred, centred) / draws.shape[0]
     torch.testing.assert_close(cov, ref.covariance_matrix, atol=0.05, rtol=0.05)
+
+
+def _conjugate_parts(n=3, d=4, seed=2):
+    """Random parts of a dense conjugate level: references ``(m̄0, P̄0, R)``, raw factor ``W``, mean ``M``, and a
+    prior ``(m0, p0)`` shared by the elements (``(d,)``, broadcast as the guide's globals are)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    eye = torch.eye(d, dtype=torch.float64)
+    b = rand(n, d, d)
+    refs = (rand(n, d), torch.diag_embed(rand(n, d).exp()), torch.linalg.cholesky(b @ b.mT + eye))
+    raw, mean = (0.3 * rand(n, d, d)).requires_grad_(), rand(n, d).requires_grad_()
+    m0, p0 = rand(d).requires_grad_(), (0.5 * rand(d)).exp().requires_grad_()
+    return refs, raw, mean, m0, p0
+
+
+def test_conjugate_normal_is_the_conjugate_conditional():
+    """Its mean and precision factor are those of ``conjugate_conditional`` from the same parts, and ``log_prob`` that
+    of the same Gaussian."""
+    refs, raw, mean, m0, p0 = _conjugate_parts()
+    n, d = mean.shape
+    q = ConjugateNormal(refs[2], raw, mean, conjugate_offset(refs[0], refs[1], mean), m0, p0)
+    prior = GaussianPrior(m0.expand(n, d), p0.expand(n, d))
+    loc, tril = conjugate_conditional(prior, *refs, mean, scale_tril_from_raw(raw), precision_tril=True)
+    torch.testing.assert_close(q.loc, loc.detach())
+    torch.testing.assert_close(q.precision_tril, tril.detach())
+    u = torch.randn(5, n, d, dtype=torch.float64)
+    torch.testing.assert_close(q.log_prob(u), CholeskyPrecisionNormal(loc, tril).log_prob(u))
+    assert q.expand((2, n)).rsample().shape == (2, n, d)
+
+
+def test_conjugate_normal_draws_have_its_covariance():
+    """The perturbed draw ``P⁻¹(η + Aε₁ + √p0 ε₂)`` has mean ``P⁻¹η`` and covariance ``P⁻¹`` (without the prior's
+    perturbation it would be ``P⁻¹AAᵀP⁻¹``)."""
+    refs, raw, mean, m0, p0 = _conjugate_parts(n=2, d=3)
+    q = ConjugateNormal(refs[2], raw, mean, conjugate_offset(refs[0], refs[1], mean), m0, p0)
+    torch.manual_seed(0)
+    draws = q.rsample((40000,)).detach()
+    sd = q.variance.sqrt()
+    torch.testing.assert_close((draws.mean(0) - q.loc) / sd, torch.zeros_like(sd), atol=0.03, rtol=0)
+    centred = draws - q.loc
+    cov = torch.einsum("s...i,s...j->...ij", centred, centred) / draws.shape[0]
+    scale = sd.unsqueeze(-1) * sd.unsqueeze(-2)
+    torch.testing.assert_close(cov / scale, q.covariance_matrix / scale, atol=0.03, rtol=0)
+
+
+def test_conjugate_normal_gradients_are_those_of_its_draw():
+    """The closed-form backward pass equals autograd through ``u = P⁻¹(η + Aε₁ + √p0 ε₂)`` written out (same
+    normal variates), in every part, with a sample dimension and the prior broadcast."""
+    refs, raw, mean, m0, p0 = _conjugate_parts()
+    fisher_sd = refs[2].clone().requires_grad_()
+    offset = conjugate_offset(refs[0], refs[1], mean)
+    n, d = mean.shape
+    torch.manual_seed(3)
+    u = ConjugateNormal(fisher_sd, raw, mean, offset, m0, p0).rsample((2,))
+    torch.manual_seed(3)
+    e1, e2 = torch.randn(2, 2, n, d, dtype=torch.float64)
+    root = fisher_sd @ scale_tril_from_raw(raw)
+    precision = root @ root.mT + torch.diag_embed(p0.expand(n, d))
+    mv = lambda a, x: (a @ x.unsqueeze(-1)).squeeze(-1)  # noqa: E731
+    b = p0 * m0 + mv(root, mv(root.mT, mean)) + offset + mv(root, e1) + p0.sqrt() * e2
+    explicit = torch.linalg.solve(precision, b.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(u, explicit)
+    weight = torch.randn(2, n, d, dtype=torch.float64)
+    params = [raw, fisher_sd, mean, m0, p0]
+    for x, y in zip(
+        torch.autograd.grad((u * weight).sum(), params, retain_graph=True),
+        torch.autograd.grad((explicit * weight).sum(), params),
+    ):
+        torch.testing.assert_close(x, y)
 
 
 def test_unwrap_finds_the_distribution_behind_shape_wrappers():

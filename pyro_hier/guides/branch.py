@@ -22,6 +22,7 @@ from pyro_hier.conjugate import (
     capture_priors,
     conditional_mode,
     conjugate_conditional,
+    conjugate_offset,
     element_expansion,
     gaussian_prior,
     joint_expansion,
@@ -31,7 +32,13 @@ from pyro_hier.conjugate import (
     rebase,
     smoothed_expansion,
 )
-from pyro_hier.distributions import CholeskyPrecisionNormal, ConjugateScorer, StickingTheLanding, unwrap
+from pyro_hier.distributions import (
+    CholeskyPrecisionNormal,
+    ConjugateNormal,
+    ConjugateScorer,
+    StickingTheLanding,
+    unwrap,
+)
 from pyro_hier.gather_maps import CallGathers, GatherMaps, full_call_gathers, full_data_call
 from pyro_hier.gathers import keep_random_state
 from pyro_hier.guides.base import HierarchicalGuide, concat_broadcast, stored_param
@@ -1021,16 +1028,24 @@ class AutoBranchGuide(HierarchicalGuide):
             self._reference(level, "fisher_sd", plates, 1 if diagonal else 2),
         )
         mean = self._level_mean(level, plates)
-        if diagonal:
-            factor = positive(self._element_param(self.scales, level, plates, 1))
-        else:
-            factor = scale_tril_from_raw(self._element_param(self.scale_trils, level, plates, 2))
+        raw = self._element_param(self.scales if diagonal else self.scale_trils, level, plates, 1 if diagonal else 2)
         if self._set_by_steps(level):  # (state: moved by the smoothed steps, not by the optimiser)
-            mean, factor = mean.detach(), factor.detach()
+            mean, raw = mean.detach(), raw.detach()
         slopes = deltas = None
         if self._reads_slopes(level):  # (else they stay zero: the shift and stretch are 0 and 1, and are left out)
             slopes = (self._reference(level, "slope", plates, 2), self._reference(level, "stretch_slope", plates, 2))
             deltas = self._global_deviation(values[self._global_level.name])
+        scored = self.stick_the_landing is not False and torch.is_grad_enabled()  # (the scorer only changes gradients)
+        if scored and not diagonal and prior.diagonal and slopes is None:
+            # drawn by perturbation (no derivative of a factorisation), scored from q's own factor in closed form
+            root = refs[2] if refs[2].dim() > mean.dim() else torch.diag_embed(refs[2])
+            # (a diagonal prior's reference precision is diagonal: its diagonal, not a product with the matrix)
+            ref_precision = refs[1].diagonal(dim1=-2, dim2=-1) if refs[1].dim() > mean.dim() else refs[1]
+            offset = conjugate_offset(refs[0], ref_precision, mean)
+            q = ConjugateNormal(root, raw, mean, offset, prior.loc, prior.precision)
+            scorer = ConjugateScorer(q.loc, q.precision_tril, prior.loc, prior.precision, inverse_tril=q.inverse_tril)
+            return StickingTheLanding(q, scorer)
+        factor = positive(raw) if diagonal else scale_tril_from_raw(raw)
 
         def build(mean, factor, delta=None if deltas is None else deltas[0]):
             moves = [None, None]
@@ -1042,10 +1057,8 @@ class AutoBranchGuide(HierarchicalGuide):
             return CholeskyPrecisionNormal(loc, scale)  # (scale: the precision's factor)
 
         q = build(mean, factor)
-        if self.stick_the_landing is False or not torch.is_grad_enabled():  # (the scorer only changes gradients)
+        if not scored:
             return q
-        if not diagonal and prior.diagonal and slopes is None:  # the same scorer from q's own factor, in closed form
-            return StickingTheLanding(q, ConjugateScorer(q.loc, q.precision_tril, prior.loc, prior.precision))
         return StickingTheLanding(q, build(mean.detach(), factor.detach(), None if deltas is None else deltas[1]))
 
     def _warn_held_smoothed_levels(self) -> None:
