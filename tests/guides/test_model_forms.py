@@ -331,4 +331,3 @@ def test_branch_counts_on_rows_drawn_at_random_take_smoothed_steps():
     level = guide._levels["counties"]
     assert guide._quadratic["counties"] is False and guide._set_by_steps(level)
     assert float(guide.references.counties__rows_ready.detach()) == 1.0
-    assert torch.isfinite(guide.median(county, counts)["a"]).all()
