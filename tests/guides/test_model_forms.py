@@ -160,6 +160,12 @@ def homes_model(size, homes=203, noise=None):
     return model
 
 
+def homes_203() -> tuple[torch.Tensor, torch.Tensor]:
+    """Counties and responses of 203 homes (not a multiple of the 50 drawn a call: the last block wraps around)."""
+    g = torch.Generator().manual_seed(2)
+    return torch.randint(0, J, (203,), generator=g), torch.randn(203, generator=g)
+
+
 @pytest.mark.parametrize("Guide", GUIDES, ids=lambda g: g.__name__)
 def test_a_flat_plate_of_observations_drawn_at_random_is_the_guides_draw(Guide):
     """The guides open the plate of homes the model draws at random, as Pyro's subsampling contract has it, so the
@@ -229,8 +235,7 @@ def test_what_the_guides_read_of_the_likelihood_covers_every_row_of_a_plate_draw
     guide's are kept across calls, not redone for each draw); q of a county then does not depend on the minibatch
     (benchmarks/dropin.py radon-rows, seed 0: max error 1.27 before, 1.18 after; AutoNormal 0.78). The branch guide
     also keeps the rows' expansion for its control variate (the ``__rows_`` references)."""
-    g = torch.Generator().manual_seed(2)
-    county, y = torch.randint(0, J, (203,), generator=g), torch.randn(203, generator=g)
+    county, y = homes_203()
 
     references = []
     for size in (None, 50):
@@ -258,8 +263,7 @@ def test_pavi_expansions_cover_every_row_of_a_plate_drawn_at_random():
     homes before: radon-rows max error 10.3 against AutoNormal's 0.78). The noise scale is fixed: PAVI's initial
     globals depend on the random stream, which the draw of homes moves, and the expansion is exact in the counties
     whatever the globals only at a fixed noise scale."""
-    g = torch.Generator().manual_seed(2)
-    county, y = torch.randint(0, J, (203,), generator=g), torch.randn(203, generator=g)
+    county, y = homes_203()
 
     made = []
     for size in (None, 50):
@@ -282,8 +286,7 @@ def test_branch_rows_control_variate_is_unbiased_and_takes_out_the_rows_noise(mo
     (each under 0.8 of it: the noise scale's, first-order in the globals, is reduced least). Radon-rows, seed 0: max
     error 1.18 before the counties were set by their references, 0.43 after, 0.17 with this variate (AutoNormal
     0.78)."""
-    g = torch.Generator().manual_seed(2)
-    county, y = torch.randint(0, J, (203,), generator=g), torch.randn(203, generator=g)
+    county, y = homes_203()
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     model = homes_model(20)
