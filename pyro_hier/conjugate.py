@@ -396,7 +396,17 @@ def joint_expansion(
 
     Every output is linear in the model's log density, so sums over blocks of rows (:func:`~pyro_hier.plates.
     row_blocks`) add up. Where each row reads at most one element of the level, :math:`F_{uu}` is block diagonal and
-    the two forms agree: :math:`(F\delta)_u = F_{uu,i}\,\delta u_i + F_{uv,i}\,\delta v` per element."""
+    the two forms agree: :math:`(F\delta)_u = F_{uu,i}\,\delta u_i + F_{uv,i}\,\delta v` per element.
+
+    Example (the counties of a gathered radon model and its globals, as :class:`~pyro_hier.AutoBranchGuide`'s rows'
+    control variate reads them)::
+
+        g_u, f_uu, g_v, f_vv, f_uv = joint_expansion(
+            model, args, kwargs, values, a_ref, to_county_values, theta_ref, to_global_values, 1.0
+        )
+
+    Reference: R. Johnson, T. Zhang, *Accelerating Stochastic Gradient Descent using Predictive Variance Reduction*,
+    NeurIPS 2013 (the control variate this expansion serves)."""
     with torch.enable_grad():
         u = level_u.detach().clone().requires_grad_(True)
         v = globals_v.detach().clone().requires_grad_(True)
