@@ -1,7 +1,8 @@
 """pyro_hier.conjugate against closed forms: Gaussian priors read from distributions, the captured prior conditional
 at given parents, the gradient and curvature of a Gaussian likelihood, the conjugate update at its reference, a new
 reference that leaves q unchanged, the Newton start at the exact conditional mean, and the precision-to-covariance
-factor, the marginal of a pseudo-observation; pyro_hier.optim.tail_average_update against its recursion."""
+factor, the marginal of a pseudo-observation, the joint expansion in a level and the globals against autograd's
+Hessian; pyro_hier.optim.tail_average_update against its recursion."""
 
 import math
 
@@ -19,6 +20,7 @@ from pyro_hier.conjugate import (
     element_expansion,
     gaussian_log_normaliser,
     gaussian_prior,
+    joint_expansion,
     line_searched_mean,
     newton_mean,
     precision_to_scale_tril,
@@ -309,3 +311,55 @@ def test_smoothed_pseudo_observation_moves_q_from_the_mode_to_the_gaussian_optim
     sd = (prior.precision + lam)[:, 0].rsqrt()
     assert float(((mean - true_mean) / true_sd).abs().max()) < 0.01
     assert float((sd / true_sd - 1).abs().max()) < 0.01
+
+
+def test_joint_expansion_is_the_exact_hessian_in_a_gathered_level_and_the_globals():
+    """Rows gathering 2-d county effects a[c_i] with Poisson and Normal likelihoods sharing globals (b, t): the blocks
+    of ``joint_expansion`` are those of the negated Hessian of the rest in (a, b, t) that autograd computes on the
+    flattened vector (the off-diagonal county blocks zero, as each row reads one county), its gradient the rest's, and
+    the ``direction`` form one product with that Hessian."""
+    torch.manual_seed(0)
+    counties, rows = 3, 8
+    c = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    x = torch.randn(rows, dtype=torch.float64)
+    y = torch.poisson(torch.full((rows,), 2.0, dtype=torch.float64))
+    z = torch.randn(rows, dtype=torch.float64)
+
+    def model():
+        b = pyro.sample("b", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+        with pyro.plate("counties", counties):
+            a = pyro.sample("a", dist.Normal(torch.zeros(2, dtype=torch.float64), 1.0).to_event(1))
+        with pyro.plate("rows", rows):
+            pyro.sample("y", dist.Poisson((a[..., c, 0] + a[..., c, 1] * x + b[..., 0]).exp()), obs=y)
+            pyro.sample("z", dist.Normal(a[..., c, 0] * b[..., 0], b[..., 1].exp()), obs=z)
+
+    def rest(flat):
+        a, b = flat[:-2].reshape(counties, 2), flat[-2:]
+        eta = a[c, 0] + a[c, 1] * x + b[0]
+        return dist.Poisson(eta.exp()).log_prob(y).sum() + dist.Normal(a[c, 0] * b[0], b[1].exp()).log_prob(z).sum()
+
+    u = 0.3 * torch.randn(counties, 2, dtype=torch.float64)
+    v = torch.tensor([0.2, -0.4], dtype=torch.float64)
+    args = (model, (), {}, {}, u, lambda w: {"a": w}, v, lambda w: {"b": w}, 1.0)
+    g_u, f_uu, g_v, f_vv, f_uv = joint_expansion(*args)
+
+    flat = torch.cat([u.reshape(-1), v])
+    gradient = torch.autograd.functional.jacobian(rest, flat)
+    fisher = -torch.autograd.functional.hessian(rest, flat)
+    torch.testing.assert_close(g_u, gradient[:-2].reshape(counties, 2))
+    torch.testing.assert_close(g_v, gradient[-2:])
+    blocks = fisher[:-2, :-2].reshape(counties, 2, counties, 2)
+    for i in range(counties):
+        for j in range(counties):
+            expected = blocks[i, :, j] if i == j else torch.zeros(2, 2, dtype=torch.float64)
+            torch.testing.assert_close(blocks[i, :, j], expected)
+        torch.testing.assert_close(f_uu[i], blocks[i, :, i])
+    torch.testing.assert_close(f_vv, fisher[-2:, -2:])
+    torch.testing.assert_close(f_uv, fisher[:-2, -2:].reshape(counties, 2, 2))
+    assert f_uv.abs().max() > 0.1 and (blocks[0, :, 0] - torch.diag(blocks[0, :, 0].diagonal())).abs().max() > 0.1
+
+    du, dv = torch.randn(counties, 2, dtype=torch.float64), torch.randn(2, dtype=torch.float64)
+    *_, fd_u, fd_v = joint_expansion(*args, direction=(du, dv))
+    product = fisher @ torch.cat([du.reshape(-1), dv])
+    torch.testing.assert_close(fd_u, product[:-2].reshape(counties, 2))
+    torch.testing.assert_close(fd_v, product[-2:])
