@@ -125,10 +125,35 @@ def slopes_problem(rows: int | None = None) -> Problem:
     return Problem("slopes", model, (x, group, y))
 
 
+def irt_problem(rows: int | None = None) -> Problem:
+    gen = torch.Generator().manual_seed(14)
+    students, questions, answered = 60, 15, 8
+    student = torch.arange(students).repeat_interleave(answered)
+    question = torch.stack([torch.randperm(questions, generator=gen)[:answered] for _ in range(students)]).reshape(-1)
+    ability = 0.9 * torch.randn(students, generator=gen, dtype=torch.float64)
+    difficulty = 0.3 + 0.7 * torch.randn(questions, generator=gen, dtype=torch.float64)
+    y = torch.bernoulli(torch.sigmoid(ability[student] - difficulty[question]), generator=gen)
+
+    def model(student, question, y=None):
+        mu_b = pyro.sample("mu_b", dist.Normal(y.new_zeros(()), 2.0))
+        sigma_a = pyro.sample("sigma_a", dist.HalfNormal(y.new_ones(())))
+        sigma_b = pyro.sample("sigma_b", dist.HalfNormal(y.new_ones(())))
+        with pyro.plate("students", students):
+            a = pyro.sample("ability", dist.Normal(y.new_zeros(()), sigma_a))
+        with pyro.plate("questions", questions):
+            b = pyro.sample("difficulty", dist.Normal(mu_b, sigma_b))
+        with pyro.plate("answers", len(student), subsample_size=rows) as i:
+            logits = a[..., student[i]] - b[..., question[i]]
+            pyro.sample("y", dist.Bernoulli(logits=logits), obs=y[i])
+
+    return Problem("irt", model, (student, question, y))
+
+
 PROBLEMS: dict[str, Callable[[], Problem]] = {
     "poisson": poisson_problem,
     "binomial": binomial_problem,
     "slopes": slopes_problem,
+    "irt": irt_problem,
 }
 DEFAULT_GUIDES = (
     "AutoNormal",

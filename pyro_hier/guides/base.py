@@ -11,6 +11,7 @@ import pickle
 import sys
 import types
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 
@@ -23,6 +24,7 @@ from pyro.infer.autoguide import AutoGuide
 from pyro.infer.autoguide.initialization import InitMessenger, init_to_feasible
 from pyro.nn import PyroModule
 from pyro.ops.tensor_utils import periodic_repeat
+from pyro.poutine.subsample_messenger import _Subsample
 from torch.distributions import biject_to, constraints
 
 from pyro_hier.errors import StructureError
@@ -77,6 +79,11 @@ class HierarchicalGuide(AutoGuide):
         self._user_model: tuple[Callable] | _MainReference | None = (model,)
         self._verify_model = False
         self.structure: ModelStructure | None = None
+        #: in an ``AutoGuideList``: the sites the whole model has and this part's does not (hidden by
+        #: ``poutine.block``), and those of them this part's runs of the model take from the other parts
+        self._hidden_sites: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+        self._given_hidden: dict[str, torch.Tensor] | None = None  # (their values on this call)
+        self._whole_model: tuple[Callable] | _MainReference | None = None  # (the list's model: it travels as ours)
 
     # ---- the model, pickling -------------------------------------------------------------------------------------
     #: attributes holding user callables that travel in a pickle as :func:`_portable` makes them
@@ -86,10 +93,22 @@ class HierarchicalGuide(AutoGuide):
     def model(self) -> Callable:
         """The model, wrapped in the guide's init strategy (as Pyro's autoguides hold it)."""
         if self._model is None:
-            self._model = (InitMessenger(_ContinuousInit(self.init_loc_fn))(self.user_model),)
+            self._model = (InitMessenger(_ContinuousInit(self.init_loc_fn))(self.reading_model),)
             if self.structure is not None:
                 self.structure.model = self._model[0]
         return self._model[0]
+
+    @property
+    def reading_model(self) -> Callable:
+        """The model this guide runs to read its plates, prior conditionals and likelihood: :attr:`user_model`,
+        except in an ``AutoGuideList`` part whose model hides continuous latent sites of the whole model
+        (``poutine.block``). There a run of the part's own model would draw those sites from their prior (noisy
+        references and expansions; with rows drawn at random as well, a NaN loss), so this is the whole model with
+        those sites set to the other parts' medians on this call (:meth:`hidden_values`), then hidden as the part's
+        model hides them."""
+        if getattr(self, "_hidden_sites", None) is not None:
+            return _GivenHiddenSites(self)
+        return self.user_model
 
     @property
     def has_model(self) -> bool:
@@ -136,6 +155,12 @@ class HierarchicalGuide(AutoGuide):
         self._model = None
         self._verify_model = False
 
+    def attach_whole_model(self, model: Callable) -> None:
+        """Give an unpickled part of an ``AutoGuideList`` with sites hidden from it the list's model back (only needed
+        when it could not travel with the guide: see :meth:`__getstate__`)."""
+        self._whole_model = (model,)
+        self._model = None
+
     def __getstate__(self) -> dict:
         """Pickle the guide, and its model only where loading cannot fail because of it.
 
@@ -146,21 +171,28 @@ class HierarchicalGuide(AutoGuide):
         guide resolves, on first use, to the loading script's function of that name (checked against the guide's
         latent sites on the next call). Anything else (a lambda, a closure) is left out. Without a model the guide
         opens its plates at the full sizes it recorded, as ``AutoNormal`` opens its own; guides that must run the
-        model (nested observations, PAVI's prior conditionals) say so on use and ask for :meth:`attach_model`."""
+        model (nested observations, PAVI's prior conditionals) say so on use and ask for :meth:`attach_model`. A part
+        of an ``AutoGuideList`` with sites hidden from it keeps the list's model the same way
+        (:meth:`attach_whole_model`)."""
         model, master = self._model, self.master
         state = dict(super().__getstate__())
         self._model, self.master = model, master  # Pyro's AutoGuide.__getstate__ drops them from the live guide too
         state["_model"] = None
         state["_verify_model"] = False
         state["_plates_run"] = None  # (keyed by this process's objects)
-        user = self._user_model
+        state["_given_hidden"] = None
         if state.pop("_deep_copying", False):  # copy.deepcopy in this process: the model as it is
             pass
-        elif isinstance(user, tuple):
-            portable = _portable(user[0])
-            state["_user_model"] = (
-                portable if isinstance(portable, _MainReference) else ((portable,) if portable is not None else None)
-            )
+        else:
+            for key in ("_user_model", "_whole_model"):
+                held = state.get(key)
+                if isinstance(held, tuple):
+                    portable = _portable(held[0])
+                    state[key] = (
+                        portable
+                        if isinstance(portable, _MainReference)
+                        else ((portable,) if portable is not None else None)
+                    )
         for name in self._pickled_callables:
             value = state.get(name)
             if isinstance(value, Mapping):
@@ -233,37 +265,73 @@ class HierarchicalGuide(AutoGuide):
             for frame in self.prototype_trace.nodes[site.name]["cond_indep_stack"]:
                 self._prototype_frames[frame.name] = frame
         self._check_sites(self.structure)
-        self._setup_guide(self.structure)
         if self.master is not None:
-            self._warn_of_hidden_sites()
+            self._find_hidden_sites(args, kwargs)
+        self._setup_guide(self.structure)
 
-    #: whether q reads the model's likelihood on its calls (conjugate levels, expansions): a hook
-    _reads_likelihood = False
+    def __call__(self, *args, **kwargs):
+        self._given_hidden = None  # (the other parts' medians are read again on each call)
+        return super().__call__(*args, **kwargs)
 
-    def _warn_of_hidden_sites(self) -> None:
-        """In an ``AutoGuideList``, continuous latent sites of the whole model that this part's model hides
-        (``poutine.block``) take prior draws in the runs of the model this guide makes to read the likelihood (its
-        references, its expansions): said, with the fix, where the guide reads it."""
-        assert self.structure is not None
-        whole = getattr(self.master(), "prototype_trace", None)
-        if whole is None or not self._reads_likelihood:
+    def _find_hidden_sites(self, args: tuple, kwargs: dict) -> None:
+        """In an ``AutoGuideList``: the sample sites of the whole model that this part's model hides, and the continuous
+        latent ones among them that :attr:`reading_model` sets to the other parts' medians (those outside plates
+        subsampled on this call; any other is said in a warning, with the fix)."""
+        whole = getattr(self.master(), "_model", None)
+        if whole is None:
             return
-        hidden = [
-            name
-            for name, site in whole.nodes.items()
-            if site["type"] == "sample"
-            and not site["is_observed"]
-            and not site["fn"].support.is_discrete
-            and name not in self.structure.latent
+        with poutine.block(), keep_random_state():
+            trace = poutine.trace(whole[0]).get_trace(*args, **kwargs)
+        mine = self.structure.trace.nodes
+        hide = tuple(n for n, site in trace.nodes.items() if site["type"] == "sample" and n not in mine)
+        latent = [
+            n
+            for n in hide
+            if not trace.nodes[n]["is_observed"]
+            and not isinstance(trace.nodes[n]["fn"], _Subsample)
+            and not trace.nodes[n]["fn"].support.is_discrete
         ]
-        if hidden:
+        given = tuple(
+            n for n in latent if all(f.full_size in (None, f.size) for f in trace.nodes[n]["cond_indep_stack"])
+        )
+        if not latent:
+            return
+        self._hidden_sites = (hide, given)
+        self._whole_model = whole
+        self._model = None
+        left = [n for n in latent if n not in given]
+        if left:
             warnings.warn(
-                f"{type(self).__name__} reads the model's likelihood, and the continuous site(s) {hidden} are hidden "
-                "from it (poutine.block, in an AutoGuideList): its runs of the model draw them from their prior, so "
-                "what it reads of the likelihood is noisy. Give those sites to this guide, or build it with "
-                "conditional='linear' (AutoBranchGuide) or conditional='pushforward' (AutoPlateAmortizedFlow).",
+                f"{type(self).__name__}: the continuous site(s) {left} are hidden from it (poutine.block, in an "
+                "AutoGuideList) inside plates subsampled on this call: its runs of the model draw them from their "
+                "prior, so what it reads of the model there is noisy. Give those sites to this guide.",
                 stacklevel=3,
             )
+
+    def hidden_values(self, args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
+        """In an ``AutoGuideList``: the values :attr:`reading_model` gives the continuous sites hidden from this part
+        on this call, each the median of the part that has it (``part.median(*args, **kwargs)``, read once a call),
+        or where no part has been set up yet (the first call), the guide's ``init_loc_fn`` at the site."""
+        if self._given_hidden is not None:
+            return self._given_hidden
+        assert self._hidden_sites is not None and self.master is not None
+        given = self._hidden_sites[1]
+        master = self.master()
+        values: dict[str, torch.Tensor] = {}
+        self._given_hidden = values  # (a part whose median runs its model may ask back: it gets what is read so far)
+        for part in master:
+            proto = getattr(part, "prototype_trace", None)
+            wanted = [n for n in given if n not in values and proto is not None and n in proto.nodes]
+            if part is self or not wanted:
+                continue
+            with torch.no_grad(), poutine.block():
+                median = part.median(*args, **kwargs)
+            values.update({n: median[n].detach() for n in wanted if n in median})
+        whole = master.prototype_trace
+        for name in given:
+            if name not in values:
+                values[name] = _ContinuousInit(self.init_loc_fn)(whole.nodes[name]).detach()
+        return values
 
     def _check_sites(self, structure: ModelStructure) -> None:
         """Refuse latent sites the guide cannot represent: discrete sites must be enumerated (the guide then covers
@@ -597,6 +665,31 @@ class _ContinuousInit:
         if value.shape != shape and torch.broadcast_shapes(value.shape, shape) == shape:
             value = value.expand(shape).clone()
         return value
+
+
+class _GivenHiddenSites:
+    """The whole model of an ``AutoGuideList`` as a part reads it (:attr:`HierarchicalGuide.reading_model`): the sites
+    hidden from the part set to :meth:`HierarchicalGuide.hidden_values`, then hidden from the handlers outside, as
+    the part's own model hides them. Holds the guide weakly (the guide holds it only on its calls)."""
+
+    def __init__(self, guide: HierarchicalGuide) -> None:
+        self.guide = weakref.ref(guide)
+
+    def __call__(self, *args, **kwargs):
+        guide = self.guide()
+        assert guide is not None and guide._hidden_sites is not None
+        held = guide._whole_model
+        whole = held.resolve() if isinstance(held, _MainReference) else (held[0] if held is not None else None)
+        if whole is None or guide.master is None:
+            raise RuntimeError(
+                f"this {type(guide).__name__} is a part of an AutoGuideList with sites hidden from it "
+                f"({list(guide._hidden_sites[1])}), and it was unpickled without the list's model (a lambda, a "
+                "closure or a function the loading script does not define) or outside its list: it reads those sites "
+                "from the whole model. Call guide.attach_whole_model(model) with the list's model after loading."
+            )
+        hide, _ = guide._hidden_sites
+        with poutine.block(hide=list(hide)), poutine.condition(data=guide.hidden_values(args, kwargs)):
+            return whole(*args, **kwargs)
 
 
 class _MainReference:

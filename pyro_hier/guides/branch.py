@@ -1593,7 +1593,14 @@ class AutoBranchGuide(HierarchicalGuide):
             for u in (copies, copies.detach()):  # the same value twice: gradients but the copies' cancel exactly
                 given = {**result, **self._level_values(glob, u)}
                 fns, _ = capture_priors(
-                    self.user_model, args, kwargs, given, level.sites, subsamples, validate=False, init=self.site_init
+                    self.reading_model,
+                    args,
+                    kwargs,
+                    given,
+                    level.sites,
+                    subsamples,
+                    validate=False,
+                    init=self.site_init,
                 )
                 priors.append(self._level_prior(level, fns))
         except (RuntimeError, ValueError, IndexError) as error:
@@ -1660,7 +1667,7 @@ class AutoBranchGuide(HierarchicalGuide):
         ``result`` constrained by site); built outside the plates. A hook: the amortized guide's conjugate levels."""
         if level.name in self.conjugate_levels:  # the prior conditional at the ancestors' draws, from the model
             fns, _ = capture_priors(
-                self.user_model,
+                self.reading_model,
                 args,
                 kwargs,
                 dict(result),
@@ -1671,10 +1678,6 @@ class AutoBranchGuide(HierarchicalGuide):
             )
             return self._conjugate_distribution(level, self._level_prior(level, fns), values, plates)
         return self._level_distribution(level, values, plates)  # parameters read (and cut) outside the plates
-
-    @property
-    def _reads_likelihood(self) -> bool:  # (the conjugate levels' references)
-        return bool(self.conjugate_levels)
 
     @property
     def _call_reading_levels(self) -> tuple[str, ...]:

@@ -1470,7 +1470,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
                     # (the user's model, the init strategy after the given values: it makes none it throws away;
                     # not validated: the model's own runs check the same arguments)
                     fns, _ = capture_priors(
-                        self.user_model,
+                        self.reading_model,
                         args,
                         kwargs,
                         {**values, name: transform(shifted.reshape(u.shape))},
@@ -1537,8 +1537,10 @@ class AutoHierarchicalVM(HierarchicalGuide):
         # to throw away; the enumerated ones are drawn from the model, as that strategy would; not validated: the
         # model's own runs check the same arguments)
         with _seeded(), pyro.validation_enabled(False):
-            curvature = element_curvature(self.user_model, args, kwargs, values, level_u, to_values, 1.0)
-            fns, _ = capture_priors(self.user_model, args, kwargs, values, names, validate=False, init=self.site_init)
+            curvature = element_curvature(self.reading_model, args, kwargs, values, level_u, to_values, 1.0)
+            fns, _ = capture_priors(
+                self.reading_model, args, kwargs, values, names, validate=False, init=self.site_init
+            )
         h = curvature.diagonal(dim1=-2, dim2=-1).clamp(min=0.0)
         out, total, start = {}, {}, 0
         for spec in specs:

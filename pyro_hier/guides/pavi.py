@@ -941,7 +941,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                 for block in blocks:  # (a plate of rows drawn at random: every row, block by block)
                     part = element_expansion(
                         # (every latent site is given: the init strategy's values would go unused)
-                        self.user_model if block is None else block(self.user_model),
+                        self.reading_model if block is None else block(self.reading_model),
                         args,
                         kwargs,
                         at,
@@ -1160,7 +1160,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             # the cascade runs the model itself, without the init strategy (and without validating its distributions'
             # arguments: the model's own run checks the same ones)
             with poutine.block(hide_fn=hidden), cascade, pyro.validation_enabled(False):
-                self.user_model(*args, **kwargs)
+                self.reading_model(*args, **kwargs)
         if torch.is_grad_enabled() and self._expanded_sites:
             self._update_global_moments(cascade)
         missing = [n for n in self.structure.latent if n not in cascade.result]
@@ -1314,10 +1314,6 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             twin = self._detached_flows[0]
             q = StickingTheLanding(q, push_forward(twin["flows"][key], twin["site_affines"][key], context))
         return q, maps
-
-    @property
-    def _reads_likelihood(self) -> bool:  # (the expanded sites' pseudo-observations)
-        return bool(self._expanded_sites)
 
     def _conditional_q0(
         self, name: str, fn: dist.TorchDistribution, cascade: _Cascade
