@@ -70,6 +70,10 @@ EXPANSION_EVERY = 10
 #: expanded level has slopes on the globals: only one that did not move, to rounding)
 EXPANSION_TOLERANCE = 0.05
 EXPANSION_NEWTON_STEPS = 8
+#: at most this many Gauss–Seidel sweeps over crossed leaf levels before each redo of their expansions, until no
+#: centre moves by ``CROSSED_TOLERANCE`` of its prior sd (float32: 1e-4) (:meth:`_expansions`)
+CROSSED_SWEEPS = 50
+CROSSED_TOLERANCE = 1e-9
 EXPANSION_NEWTON_TOLERANCE = 1e-6  # (in float32 no finer than 1e-3: the gradient's rounding)
 #: fixed-point steps (at most) that take a leaf level's expansion at its conditional mode (Laplace) to the Gaussian
 #: optimum of the ELBO at the globals' mean where its likelihood is not Gaussian in it
@@ -960,6 +964,11 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             if set(level.plates) <= s.reachable_plates(site)
         )
 
+    @property
+    def _expanded_leaves(self) -> list[str]:
+        """The expanded levels no other level descends from: crossed when more than one (students and questions)."""
+        return [n for n in self.expanded_levels if not any(n in lv.ancestors for lv in self.levels)]
+
     def _expansions(self, args, kwargs, calls, refreshes: int, old: dict | None) -> dict:
         """``{level: (precision, natural parameter, slopes or None)}`` of the model's pseudo-observations of the
         expanded levels on the call ``args``, ``kwargs`` (plates ``calls``)."""
@@ -968,15 +977,42 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         values, centres = self._expansion_point(args, kwargs, calls)
         subsamples = {name: call.indices for name, call in calls.items()}
         observed = [n for n, site in self.structure.observed.items() if not is_factor(site.fn)]
-        for name in reversed(self.expanded_levels):  # children first: a parent integrates them out
-            level = self._levels[name]
-            scale = math.prod(self.structure.plates[p].size for p in level.plates) / max(
+        rows = self.drawn_rows(calls)
+
+        def scale_of(level: PlateLevel) -> float:
+            return math.prod(self.structure.plates[p].size for p in level.plates) / max(
                 1, math.prod(int(calls[p].indices.shape[0]) for p in level.plates)
             )
+
+        # crossed leaf levels (students and questions of answers): each is expanded at the others' centres, which
+        # must be their conditional modes: Gauss–Seidel sweeps over them first, from their last modes, to the fixed
+        # point (students of a Gaussian IRT: about a fifth of the distance left after each sweep)
+        leaves = self._expanded_leaves
+        for name in leaves:  # every leaf at its last modes first: the others read them
+            centres[name] = self._warm_centre(self._levels[name], calls, centres[name])
+            values.update(self._level_values(self._levels[name], centres[name]))
+        for _ in range(CROSSED_SWEEPS if len(leaves) > 1 and EXPANSION_NEWTON_STEPS > 0 else 0):
+            moved = 0.0  # (largest move of a centre in this sweep, in prior sds)
+            for name in leaves:
+                level = self._levels[name]
+                expand = self._level_expander(
+                    args, kwargs, level, centres, scale_of(level), subsamples, observed, None, rows
+                )
+                gradient, curvature = expand(values)
+                centre = self._expansion_mode(level, values, centres[name], gradient, curvature, expand)[0]
+                prior = self._level_prior(level, {s: self._prior_fns[s] for s in level.sites})
+                p0 = prior.precision if prior.diagonal else prior.precision.diagonal(dim1=-2, dim2=-1)
+                moved = max(moved, float(((centre - centres[name]).abs() * p0.sqrt()).amax()))
+                centres[name] = centre
+                self._keep_centre(level, calls, centre)
+                values.update(self._level_values(level, centre))
+            if moved < (CROSSED_TOLERANCE if centre.dtype == torch.float64 else 1e-4):
+                break  # (a fixed point: the same from any start, so q does not depend on the calls before)
+        for name in reversed(self.expanded_levels):  # children first: a parent integrates them out
+            level = self._levels[name]
+            scale = scale_of(level)
             collapse = self._children_integrated(level, made)
-            expand = self._level_expander(
-                args, kwargs, level, centres, scale, subsamples, observed, collapse, self.drawn_rows(calls)
-            )
+            expand = self._level_expander(args, kwargs, level, centres, scale, subsamples, observed, collapse, rows)
 
             centre = centres[name]
             iterate = collapse is None and EXPANSION_NEWTON_STEPS > 0
@@ -1063,7 +1099,8 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         up to :data:`EXPANSION_NEWTON_STEPS` line-searched Newton steps
         (:func:`~pyro_hier.conjugate.conditional_mode`), stopped once no element moves by more than
         :data:`EXPANSION_NEWTON_TOLERANCE` of its prior sds. Where the likelihood is Gaussian in the level the
-        expansion is the same at every point and no step is taken (checked once: the curvature one unit away). Returns
+        expansion is the same at every point, and one step (the exact mode) is taken only where other levels are
+        expanded at this one's centre (checked once: the curvature one unit away). Returns
         ``(centre, gradient, curvature)`` at the last point: the expansion there is the likelihood's Laplace
         approximation, where at the prior's mean it is one Newton step short of it (MovieLens users with hundreds of
         ratings: far short)."""
@@ -1071,8 +1108,11 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             tolerance = 1e-6 * float(curvature.abs().max()) + 1e-12
             moved = expand(values, centre + 1.0)[1]
             self._quadratic[level.name] = bool(torch.allclose(moved, curvature, rtol=1e-4, atol=tolerance))
-        if self._quadratic[level.name]:
+        if self._quadratic[level.name] and len(self._expanded_leaves) < 2:
             return centre, gradient, curvature
+        # (several levels: the others are expanded at this one's centre, which must be its mode: one Newton step
+        # reaches it where the likelihood is Gaussian; students and questions of a crossed model, each Gaussian)
+        steps = 1 if self._quadratic[level.name] else EXPANSION_NEWTON_STEPS
         prior = self._level_prior(level, {s: self._prior_fns[s] for s in level.sites})
         p0 = prior.precision if prior.diagonal else prior.precision.diagonal(dim1=-2, dim2=-1)
         return conditional_mode(
@@ -1083,7 +1123,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             lambda u, curvature=True: expand(values, u, curvature=curvature),
             CURVATURE_FLOOR * p0,
             self._is_diagonal(level),
-            EXPANSION_NEWTON_STEPS,
+            steps,
             EXPANSION_NEWTON_TOLERANCE if centre.dtype == torch.float64 else 1e-3,
         )
 
