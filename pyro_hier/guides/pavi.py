@@ -759,6 +759,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         key = self._call_key(args, kwargs, keyed if self.structure.subsampled_plates else None) + reference
         if self._expansion is not None and self._expansion[0] == key:
             return self._expansion[1]
+        last = previous  # (a minibatch's redo compares it with its own key: the call on all the data)
         if previous is not None:  # the same call at the previous reference?
             size = len(reference)
             if previous[0][: len(previous[0]) - size] != key[: len(key) - size]:
@@ -769,7 +770,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         subsampled = [c for c in calls.values() if c.subsampled]
         blocks = self._summary_subsamples or {}  # (Pyro's random subsample, replayed block by block)
         if subsampled and all(c.user_indices and c.name not in blocks for c in subsampled):
-            return self._minibatch_expansions(args, kwargs, calls, reference)
+            return self._minibatch_expansions(args, kwargs, calls, reference, last)
         if torch._C._get_tracing_state() is not None:
             latent_plates = {p for site in self.structure.latent.values() for p in site.plates}
             drawn = [c.name for c in subsampled if not c.user_indices and c.name not in latent_plates]
@@ -792,18 +793,26 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             made = self._from_data_tables(calls)
         else:
             self._to_data_tables(made, calls)
-            if previous is not None:  # back off while the slopes predict the redo
-                moved = self._state("ref_mean") - previous[1]
-                every = float(self._state("every"))
-                held = predicted_expansions(previous[2], moved, made)
-                self._write_state(
-                    "every",
-                    torch.tensor(min(2 * every, EXPANSION_EVERY * EXPANSION_BACKOFF) if held else EXPANSION_EVERY),
-                )
+            self._back_off(previous, made)
         self._expansion = (key, made)
         return made
 
-    def _minibatch_expansions(self, args: tuple, kwargs: dict, calls: dict, reference: tuple) -> dict:
+    def _back_off(self, previous: tuple | None, made: dict) -> None:
+        """After a redo at a new reference: double the interval to the next (up to :data:`EXPANSION_BACKOFF` times
+        :data:`EXPANSION_EVERY`) while the last expansion's slopes predicted this one (:func:`predicted_expansions`),
+        else back to :data:`EXPANSION_EVERY`. ``previous``: ``(key, reference, expansion)`` of the last redo."""
+        if previous is None or previous[2] is None:
+            return
+        moved = self._state("ref_mean") - previous[1]
+        every = float(self._state("every"))
+        held = predicted_expansions(previous[2], moved, made)
+        self._write_state(
+            "every", torch.tensor(min(2 * every, EXPANSION_EVERY * EXPANSION_BACKOFF) if held else EXPANSION_EVERY)
+        )
+
+    def _minibatch_expansions(
+        self, args: tuple, kwargs: dict, calls: dict, reference: tuple, previous: tuple | None = None
+    ) -> dict:
         """A minibatch's pseudo-observations: each element's, read from the model's call on *all* the data (kept
         while those arguments and the reference are the same), so that an element's q does not depend on which
         others are in the minibatch and the minibatch ELBO stays unbiased. (Plates that Pyro subsamples at random,
@@ -822,6 +831,13 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                 made = None
             else:
                 self._to_data_tables(made, full_calls)
+                # (the same back-off as on full-data calls: without it every group's data were read every
+                # EXPANSION_EVERY calls, a step cost growing with N: 74 ms at N = 1,000, 820 ms at 10,000)
+                if (
+                    previous is not None
+                    and previous[0][: len(previous[0]) - len(reference)] == key[: len(key) - len(reference)]
+                ):
+                    self._back_off(previous, made)
             self._expansion = (key, made)
         if not self._data_tables:
             raise StructureError(
