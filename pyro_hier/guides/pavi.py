@@ -87,7 +87,7 @@ POWER_GRID = 129
 #: is within this many of the reference's sds of it (and their running sd within a factor ``exp(±ROW_REFERENCE_MOVE)``):
 #: :meth:`AutoPlateAmortizedFlow._rows_reference_holds`. The running mean (rate :data:`GLOBAL_RATE`) wanders by about
 #: 0.2 sd from its own noise (sd ``sqrt(GLOBAL_RATE / 2)``), so a tighter bound redoes the expansion on noise
-ROW_REFERENCE_MOVE = 0.5
+ROW_REFERENCE_MOVE = 1.0
 STATE_KEYS = ("global_mean", "global_var", "ref_mean", "ref_sd", "calls", "every")
 #: the modules whose parameters are packed into one vector (``packed.flat``: :class:`~pyro_hier.nn.PackedParameters`)
 PACKED = ("flows", "encoder", "site_affines")
