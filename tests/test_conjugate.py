@@ -15,6 +15,7 @@ from torch.distributions import constraints
 from pyro_hier.conjugate import (
     GaussianPrior,
     capture_priors,
+    conditional_mode,
     conjugate_conditional,
     element_curvature,
     element_expansion,
@@ -28,6 +29,7 @@ from pyro_hier.conjugate import (
     rebase,
     smoothed_expansion,
     smoothed_pseudo_observation,
+    warm_conditional_mode,
 )
 from pyro_hier.optim import tail_average_update
 
@@ -134,6 +136,38 @@ def test_line_search_keeps_the_start_of_a_binomial_group_near_its_conditional_mo
         p = torch.sigmoid(mode)
         mode = mode + (y - n * p - mode) / (n * p * (1 - p) + 1)
     torch.testing.assert_close(searched, mode, atol=float((plain - u).abs().max()) / 256, rtol=0)
+
+
+def test_plain_newton_steps_from_a_warm_start_reach_the_line_searched_conditional_mode():
+    """Poisson counts y_i ~ Poisson(exp(z_i)), z_i ~ N(0.5, 1): from the modes at other counts (a warm start a few
+    tenths away) the plain Newton steps of warm_conditional_mode end at the mode conditional_mode finds from the
+    prior's mean, to the tolerance, in fewer expansions; from the prior's mean, where counts of 40 are far, a plain
+    step leaves its region and the caller is told so."""
+    y = torch.tensor([[0.0], [3.0], [40.0]], dtype=torch.float64)
+
+    def model():
+        with pyro.plate("groups", 3, dim=-1):
+            z = pyro.sample("z", dist.Normal(0.5, 1.0).expand([3, 1]).to_event(1))
+            pyro.sample("y", dist.Poisson(z.exp()).to_event(1), obs=y)
+
+    calls = []
+
+    def expand(v, curvature=True):
+        calls.append(1)
+        return element_expansion(model, (), {}, {}, v, lambda w: {"z": w}, 1.0, curvature=curvature)
+
+    prior = GaussianPrior(torch.full((3, 1), 0.5, dtype=torch.float64), torch.ones(3, 1, dtype=torch.float64))
+    floor = 1e-2 * prior.precision
+    start = prior.loc.clone()
+    mode, *_ = conditional_mode(prior, start, *expand(start), expand, floor, True, 30, 1e-10)
+    searched = len(calls)
+    warm = mode + torch.tensor([[0.3], [-0.2], [0.05]], dtype=torch.float64)
+    calls.clear()
+    found, _, _, done = warm_conditional_mode(prior, warm, *expand(warm), expand, floor, True, 30, 1e-10)
+    assert done and len(calls) < searched
+    torch.testing.assert_close(found, mode, rtol=0, atol=1e-9)
+    *_, done = warm_conditional_mode(prior, start, *expand(start), expand, floor, True, 30, 1e-10)
+    assert not done
 
 
 @pytest.mark.parametrize("dense", [False, True])

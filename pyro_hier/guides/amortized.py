@@ -3,6 +3,7 @@ computed by a network from each group's own data, so the parameter count does no
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -25,6 +26,7 @@ from pyro_hier.conjugate import (
     precision_to_scale_tril,
     pseudo_observation,
     smoothed_pseudo_observation,
+    warm_conditional_mode,
 )
 from pyro_hier.distributions import StickingTheLanding
 from pyro_hier.errors import StructureError
@@ -70,8 +72,9 @@ EXPANSION_EVERY = 10
 #: expanded level has slopes on the globals: only one that did not move, to rounding)
 EXPANSION_TOLERANCE = 0.05
 EXPANSION_NEWTON_STEPS = 8
-#: at most this many Gauss–Seidel sweeps over crossed leaf levels before each redo of their expansions, until no
-#: centre moves by ``CROSSED_TOLERANCE`` of its prior sd (float32: 1e-4) (:meth:`_expansions`)
+#: at most this many Gauss–Seidel sweeps over crossed leaf levels, all Gaussian, before each redo of their expansions,
+#: until no centre moves by ``CROSSED_TOLERANCE`` of its prior sd (float32: 1e-4) (:meth:`_expansions`); levels that
+#: are not Gaussian take one sweep a redo, from their last modes
 CROSSED_SWEEPS = 50
 CROSSED_TOLERANCE = 1e-9
 EXPANSION_NEWTON_TOLERANCE = 1e-6  # (in float32 no finer than 1e-3: the gradient's rounding)
@@ -83,6 +86,14 @@ EXPANSION_NEWTON_TOLERANCE = 1e-6  # (in float32 no finer than 1e-3: the gradien
 #: took 55.5 ms each against 63.2 with up to 4 steps and 46.8 without)
 EXPANSION_SMOOTHED_STEPS = 1
 EXPANSION_SMOOTHED_TOLERANCE = 1e-2
+#: where the model draws its rows at random (``pyro.plate("data", N, subsample_size=B)``) each expansion reads every
+#: row, block by block (``N / B`` runs of the model a pass): it is redone no sooner than this many training calls
+#: after the last, and then only once the globals' q has moved since it was read — its mean by more than
+#: :data:`ROW_EXPANSION_MOVE` of its sd in some coordinate, or its sd by more than a factor
+#: ``exp(ROW_EXPANSION_MOVE)`` — or after 64 times this many calls (see
+#: :meth:`AutoAmortizedBranchGuide._rows_expansion_holds`)
+ROW_EXPANSION_EVERY = 40
+ROW_EXPANSION_MOVE = 0.25
 
 
 @dataclass(frozen=True)
@@ -444,6 +455,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         self._expansion_centres: dict[str, torch.Tensor] = {}  # leaf levels: each element's last mode (full size)
         self._model_run: tuple | None = None  # the last inspection run of the model, keyed by its arguments
         self._expanded: dict = {}  # the expansions of the current call
+        self._expanded_at: tuple | None = None  # rows drawn at random: the globals' q where they were read
         self._data_expansion: tuple | None = None  # the last call's with data, and its plates' indices
         self._observed_rows: ObservedRows | None = None
         if self.amortized_levels:  # one run of the model gives every level's data for the input statistics
@@ -668,15 +680,39 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
     def _run_model(self, args: tuple, kwargs: dict) -> tuple[dict[str, PlateCall], dict[str, Observation]]:
         """The model's plates on this call and its observed values (when the networks read them), from one inspection
         run; the same arguments again (the same objects, unmodified: a full-data loop, ``Predictive``'s draws) reuse the
-        last run unless Pyro drew a plate's subsample at random there. The arguments are held with the run, so their
-        identities cannot be reused by other tensors."""
+        last run. Where Pyro drew a plate's subsample at random there, the last run's plates are returned when no
+        network reads the call's observations (else the model runs again), and :meth:`_drawn_anew` draws their
+        subsamples anew. The arguments are held with the run, so their identities cannot be reused by other
+        tensors."""
         key = (id(self.model), call_key(args, kwargs))
         last = self._model_run
+        self._draw_rows = False
         if last is not None and last[0] == key:
-            return last[3], last[4]
+            if not last[5]:
+                return last[3], last[4]
+            if not self._summary_subsamples:  # the plates drawn anew by the caller (:meth:`_drawn_anew`)
+                self._draw_rows = True
+                return last[3], last[4]
         calls, observations = self._inspect_model(args, kwargs)
-        self._model_run = None if drawn_at_random(calls) else (key, args, dict(kwargs), calls, observations)
+        drawn = drawn_at_random(calls)
+        # (a plate drawn at random: only the plates are kept, and only when no network reads this call's observations)
+        kept = not drawn or (not self._needs_observations() and not self._summary_subsamples)
+        self._model_run = (key, args, dict(kwargs), calls, observations, drawn) if kept else None
         return calls, observations
+
+    def _drawn_anew(self, calls: dict[str, PlateCall]) -> dict[str, PlateCall]:
+        """The plates of the last inspection run (:meth:`_run_model`) with the subsamples Pyro drew at random drawn
+        anew as Pyro's plate draws them (``torch.randperm(N)[:B]``), outside the inspection's kept random state (so
+        that the rows do not share random numbers with the call's draws); ``calls`` as they are after a new run."""
+        if not getattr(self, "_draw_rows", False):
+            return calls
+        self._draw_rows = False
+        return {
+            n: dataclasses.replace(c, indices=torch.randperm(c.size, device=c.indices.device)[: c.subsample_size])
+            if c.subsampled and not c.user_indices
+            else c
+            for n, c in calls.items()
+        }
 
     def _inspect_model(self, args: tuple, kwargs: dict) -> tuple[dict[str, PlateCall], dict[str, Observation]]:
         blocks = self._summary_subsamples  # (summaries block by block: plates Pyro subsamples at random)
@@ -753,6 +789,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         self._adopt_stored_parameters("nets")
         with keep_random_state():  # (an inspection run: the init strategy draws omitted observations from the prior)
             calls, observations = self._run_model(args, kwargs)
+        calls = self._drawn_anew(calls)
         self._calls = calls
         outer = self._gathers
         try:
@@ -783,6 +820,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             self._plates = None
             self._decoded = None
             self._expanded = {}
+            self._expanded_at = None
             self._gathers = outer
 
     @torch.no_grad()
@@ -839,6 +877,11 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             cached = None  # the same arguments, but Pyro drew other elements (subsample_size=)
         if cached is not None and cached[0] == key and calls_done - cached[1] < cached[5]:
             self._expanded = self._at_elements(cached[3], cached[4], indices, "the call")
+            self._expanded_at = cached[6]
+            return
+        if rows and cached is not None and cached[0] == key and self._rows_expansion_holds(cached, calls_done):
+            self._expanded = self._at_elements(cached[3], cached[4], indices, "the call")
+            self._expanded_at = cached[6]
             return
         refreshes = 0 if cached is None or cached[0] != key else cached[2] + 1
         old = None if cached is None or cached[0] != key else cached[3]
@@ -860,8 +903,48 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         tolerance = 0.0 if any(slopes is not None for _, _, slopes in made.values()) else EXPANSION_TOLERANCE
         if old is not None and _same_expansions(made, old, tolerance):
             every = min(2 * cached[5], EXPANSION_EVERY * 2**6)
-        self._expansion_cache = (key, calls_done, refreshes, made, held, every)
+        at = None
+        if rows:  # (rows drawn at random: redone when the globals' q has moved, read from here)
+            every = ROW_EXPANSION_EVERY
+            at = self._globals_now()
+        self._expansion_cache = (key, calls_done, refreshes, made, held, every, at)
         self._expanded = self._at_elements(made, held, indices, "the call")
+        self._expanded_at = at
+
+    @torch.no_grad()
+    def _globals_now(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The globals' q now: its mean (where the likelihood is expanded, :meth:`_expansion_point`) and marginal sds,
+        unconstrained (``None`` without globals)."""
+        glob = self._global_level
+        if glob is None or not glob.numel:
+            return None
+        loc, _, scale = self._level_params(glob, None)
+        sd = scale if scale.dim() == loc.dim() else scale.pow(2).sum(-1).sqrt()
+        return loc.detach().clone(), sd.detach().clone()
+
+    def _rows_expansion_holds(self, cached: tuple, calls_done: float) -> bool:
+        r"""Whether the expansions read from every row of a plate drawn at random (``cached``) still stand: for
+        :data:`ROW_EXPANSION_EVERY` training calls after they were made, and then while the globals' q has moved
+        little since — its mean :math:`\bar\theta` by at most :data:`ROW_EXPANSION_MOVE` of its sds :math:`s` in every
+        coordinate and the sds by at most a factor :math:`e^{\pm\mathrm{MOVE}}` — up to 64 times that many calls.
+        The expansion is a function of the data and of :math:`(\bar\theta, s)` (it is read at :math:`\bar\theta`,
+        its slopes over :math:`\bar\theta \pm \sqrt3 s`), and between reads it is moved to each draw of the globals
+        by its slopes from the :math:`\bar\theta` it was read at (:meth:`_call_distribution`), so that a read defers
+        only the second-order change: a Gaussian likelihood along a location and a log scale is followed exactly.
+        Each read costs ``N / B`` runs of the model a pass (:func:`~pyro_hier.plates.row_blocks`); on unseen.py's
+        Poisson counts they were 88% of a training call's time at a read every 10 calls."""
+        since = calls_done - cached[1]
+        if since < ROW_EXPANSION_EVERY:
+            return True
+        if since >= ROW_EXPANSION_EVERY * 2**6:
+            return False
+        at, now = cached[6], self._globals_now()
+        if at is None or now is None:
+            return True
+        (loc0, sd0), (loc, sd) = at, now
+        moved = ((loc - loc0).abs() / sd0).amax()
+        stretched = (sd.log() - sd0.log()).abs().amax()
+        return bool(moved <= ROW_EXPANSION_MOVE) and bool(stretched <= ROW_EXPANSION_MOVE)
 
     def _traced_expansion(self, args: tuple, kwargs: dict) -> tuple[dict, dict]:
         """Under ``torch.jit.trace`` (Pyro's JIT ELBOs): the expansions of *every* element, ``(made, held)``, from the
@@ -991,7 +1074,10 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         for name in leaves:  # every leaf at its last modes first: the others read them
             centres[name] = self._warm_centre(self._levels[name], calls, centres[name])
             values.update(self._level_values(self._levels[name], centres[name]))
-        for _ in range(CROSSED_SWEEPS if len(leaves) > 1 and EXPANSION_NEWTON_STEPS > 0 else 0):
+        # (where a leaf's likelihood is not Gaussian its Newton steps are the cost: one sweep a redo, in the loop below,
+        # continues from the last; IRT's Bernoulli answers: 232 CPU s with sweeps to the fixed point, 100 without)
+        gaussian = all(self._quadratic.get(n, True) for n in leaves)
+        for _ in range(CROSSED_SWEEPS if len(leaves) > 1 and gaussian and EXPANSION_NEWTON_STEPS > 0 else 0):
             moved = 0.0  # (largest move of a centre in this sweep, in prior sds)
             for name in leaves:
                 level = self._levels[name]
@@ -999,13 +1085,16 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
                     args, kwargs, level, centres, scale_of(level), subsamples, observed, None, rows
                 )
                 gradient, curvature = expand(values)
-                centre = self._expansion_mode(level, values, centres[name], gradient, curvature, expand)[0]
+                mode = self._rows_expansion_mode if rows else self._expansion_mode
+                centre = mode(level, values, centres[name], gradient, curvature, expand)[0]
                 prior = self._level_prior(level, {s: self._prior_fns[s] for s in level.sites})
                 p0 = prior.precision if prior.diagonal else prior.precision.diagonal(dim1=-2, dim2=-1)
                 moved = max(moved, float(((centre - centres[name]).abs() * p0.sqrt()).amax()))
                 centres[name] = centre
                 self._keep_centre(level, calls, centre)
                 values.update(self._level_values(level, centre))
+            if not all(self._quadratic.get(n) for n in leaves):
+                break  # (found not Gaussian on this first sweep)
             if moved < (CROSSED_TOLERANCE if centre.dtype == torch.float64 else 1e-4):
                 break  # (a fixed point: the same from any start, so q does not depend on the calls before)
         for name in reversed(self.expanded_levels):  # children first: a parent integrates them out
@@ -1021,7 +1110,8 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
                 values.update(self._level_values(level, centre))
             gradient, curvature = expand(values)
             if iterate:
-                centre, gradient, curvature = self._expansion_mode(level, values, centre, gradient, curvature, expand)
+                mode = self._rows_expansion_mode if rows else self._expansion_mode
+                centre, gradient, curvature = mode(level, values, centre, gradient, curvature, expand)
                 centres[name] = centre
                 self._keep_centre(level, calls, centre)
                 values.update(self._level_values(level, centre))
@@ -1126,6 +1216,39 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             steps,
             EXPANSION_NEWTON_TOLERANCE if centre.dtype == torch.float64 else 1e-3,
         )
+
+    def _rows_expansion_mode(
+        self,
+        level: PlateLevel,
+        values: dict,
+        centre: torch.Tensor,
+        gradient: torch.Tensor,
+        curvature: torch.Tensor,
+        expand: Callable,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`_expansion_mode` where the likelihood's rows are drawn at random (each expansion reads all of them,
+        ``N / B`` runs of the model): from the elements' last modes (:meth:`_warm_centre`), plain Newton steps
+        (:func:`~pyro_hier.conjugate.warm_conditional_mode`: one expansion a step, where a line-searched step took
+        up to ten), to the same tolerance; the line-searched steps of :meth:`_expansion_mode` where the start is cold
+        or a plain step leaves the region where it cannot overshoot far."""
+        if self._quadratic.get(level.name) is not False or level.name not in self._expansion_centres:
+            return self._expansion_mode(level, values, centre, gradient, curvature, expand)
+        prior = self._level_prior(level, {s: self._prior_fns[s] for s in level.sites})
+        p0 = prior.precision if prior.diagonal else prior.precision.diagonal(dim1=-2, dim2=-1)
+        centre, gradient, curvature, done = warm_conditional_mode(
+            prior,
+            centre,
+            gradient,
+            curvature,
+            lambda u: expand(values, u),
+            CURVATURE_FLOOR * p0,
+            self._is_diagonal(level),
+            EXPANSION_NEWTON_STEPS,
+            EXPANSION_NEWTON_TOLERANCE if centre.dtype == torch.float64 else 1e-3,
+        )
+        if done:
+            return centre, gradient, curvature
+        return self._expansion_mode(level, values, centre, gradient, curvature, expand)
 
     def _children_integrated(self, level: PlateLevel, made: dict) -> Callable | None:
         r"""For an expanded level with levels below it, the ``collapse`` of
@@ -1400,6 +1523,9 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         expanded = self._expanded.get(level.name)
         if expanded is not None and expanded[2] is not None:
             deltas = self._global_deviation(values[self._global_level.name])
+            if self._expanded_at is not None:  # (rows drawn at random: from the globals' mean it was read at)
+                moved = values[self._global_level.name] - self._expanded_at[0]
+                deltas = (moved, moved)
 
         def build(detach: bool, delta: torch.Tensor | None) -> dist.TorchDistribution:
             loc, scale = self._conjugate_params(level, prior, delta, detach)

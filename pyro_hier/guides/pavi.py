@@ -34,6 +34,7 @@ from pyro_hier.conjugate import (
     gaussian_update,
     precision_to_scale_tril,
     pseudo_observation,
+    warm_conditional_mode,
 )
 from pyro_hier.distributions import StickingTheLanding
 from pyro_hier.encoders import DeepSetEncoder, FreeEncoding, FrozenPositions, SiteData
@@ -41,7 +42,11 @@ from pyro_hier.errors import StructureError
 from pyro_hier.flows import NETWORK_RATE, FreeAffine, make_flow
 from pyro_hier.gather_maps import GatherMaps, full_data_call
 from pyro_hier.gathers import keep_random_state
-from pyro_hier.guides.amortized import EXPANSION_NEWTON_STEPS, EXPANSION_NEWTON_TOLERANCE
+from pyro_hier.guides.amortized import (
+    EXPANSION_NEWTON_STEPS,
+    EXPANSION_NEWTON_TOLERANCE,
+    ROW_EXPANSION_EVERY,
+)
 from pyro_hier.guides.base import HierarchicalGuide, concat_broadcast, empirical_quantiles, parameter_keys
 from pyro_hier.guides.branch import CURVATURE_FLOOR, DERIVATIVE_STEP, SLOPE_NODES
 from pyro_hier.local_data import (
@@ -78,6 +83,11 @@ PREDICTION_TOLERANCE = 1e-2
 POWER_GRID = 129
 #: the parts of the reference state (``references.state``): the running mean and variance of the globals' draws, the
 #: mean and sd where the pseudo-observations were read, the training calls since then and the interval of the redos
+#: where the model draws its rows at random, a due expansion is deferred while the running mean of the globals' draws
+#: is within this many of the reference's sds of it (and their running sd within a factor ``exp(±ROW_REFERENCE_MOVE)``):
+#: :meth:`AutoPlateAmortizedFlow._rows_reference_holds`. The running mean (rate :data:`GLOBAL_RATE`) wanders by about
+#: 0.2 sd from its own noise (sd ``sqrt(GLOBAL_RATE / 2)``), so a tighter bound redoes the expansion on noise
+ROW_REFERENCE_MOVE = 1.0
 STATE_KEYS = ("global_mean", "global_var", "ref_mean", "ref_sd", "calls", "every")
 #: the modules whose parameters are packed into one vector (``packed.flat``: :class:`~pyro_hier.nn.PackedParameters`)
 PACKED = ("flows", "encoder", "site_affines")
@@ -742,7 +752,12 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             with keep_random_state():
                 calls = capture_plates(_ForceSubsamples(forced)(self.model), args, kwargs)
         previous = None
-        if torch.is_grad_enabled() and float(self._state("calls")) >= float(self._state("every")):
+        rows = self.drawn_rows(calls) if calls is not None else {}
+        if (
+            torch.is_grad_enabled()
+            and float(self._state("calls")) >= float(self._state("every"))
+            and not (rows and self._rows_reference_holds())
+        ):
             # a new reference at the running moments of the globals' draws
             if self._global_level is not None and self._expansion is not None and self._expansion[1] is not None:
                 previous = (self._expansion[0], self._state("ref_mean").clone(), self._expansion[1])
@@ -796,6 +811,26 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             self._back_off(previous, made)
         self._expansion = (key, made)
         return made
+
+    def _rows_reference_holds(self) -> bool:
+        r"""Where the model draws its rows at random (each expansion reads every row, block by block: ``N / B`` runs of
+        the model a pass), whether the reference still stands although :meth:`_expansions_for_call`'s interval has
+        passed: before :data:`~pyro_hier.guides.amortized.ROW_EXPANSION_EVERY` training calls, and then while the
+        running mean of the globals' draws is within :data:`ROW_REFERENCE_MOVE` of the reference's sds in every
+        coordinate and their running sd within a factor :math:`e^{\pm\mathrm{MOVE}}` of the reference's, up to 64
+        times that many calls. Between reads the expansion is moved to each draw of the globals along its slopes
+        from the reference (:math:`e^{D\delta}(\bar\eta + B\delta)`), exact along a location and a log scale of a
+        Gaussian likelihood, so a deferred read defers only the second-order change."""
+        calls = float(self._state("calls"))
+        if calls < ROW_EXPANSION_EVERY:
+            return True
+        if calls >= ROW_EXPANSION_EVERY * 2**6 or self._global_level is None or not self._global_level.numel:
+            return False
+        ref_mean, ref_sd = self._state("ref_mean"), self._state("ref_sd").clamp(min=1e-12)
+        mean, sd = self._state("global_mean"), self._state("global_var").clamp(min=1e-24).sqrt()
+        moved = float(((mean - ref_mean).abs() / ref_sd).amax())
+        stretched = float((sd.log() - ref_sd.log()).abs().amax())
+        return moved <= ROW_REFERENCE_MOVE and stretched <= ROW_REFERENCE_MOVE
 
     def _back_off(self, previous: tuple | None, made: dict) -> None:
         """After a redo at a new reference: double the interval to the next (up to :data:`EXPANSION_BACKOFF` times
@@ -901,9 +936,9 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         mean there (:func:`~pyro_hier.conjugate.element_expansion`), or where the likelihood is not Gaussian in the
         site at each element's conditional mode: line-searched Newton steps to it
         (:func:`~pyro_hier.conjugate.conditional_mode`) the first time, then plain Newton steps from the mode of the
-        last read while they stay within one conditional sd (:func:`_newton_step`; the line-searched steps otherwise),
-        to the same tolerance, so that the expansion is a function of the guide's state, not of its path — as a
-        Gaussian potential
+        last read while they stay within one conditional sd (:func:`~pyro_hier.conjugate.warm_conditional_mode`; the
+        line-searched steps otherwise), to the same tolerance, so that the expansion is a function of the guide's
+        state, not of its path — as a Gaussian potential
         :math:`ar\Lambda_i = F_i`, :math:`ar\eta_i = F_i c_i + g_i` (the likelihood itself where it is Gaussian in
         the site), with the slopes of :math:`\eta` and of :math:`\log\sqrt{\mathrm{diag}\,\Lambda}` on the globals
         read by central differences at ``ref_sd`` (:data:`~pyro_hier.guides.branch.SLOPE_NODES` of them where the
@@ -989,15 +1024,18 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                 if warm is not None and warm.shape == centre.shape:  # plain Newton steps from the last mode
                     centre = warm
                     gradient, curvature = expand(values, centre)
-                    for _ in range(EXPANSION_NEWTON_STEPS):
-                        mean, within, step = _newton_step(prior, gradient, curvature, centre, diagonal, floor)
-                        if not within:
-                            break
-                        centre = mean
-                        gradient, curvature = expand(values, centre)
-                        if step < tolerance:
-                            cold = False
-                            break
+                    centre, gradient, curvature, done = warm_conditional_mode(
+                        prior,
+                        centre,
+                        gradient,
+                        curvature,
+                        lambda u, expand=expand: expand(values, u),
+                        floor,
+                        diagonal,
+                        EXPANSION_NEWTON_STEPS,
+                        tolerance,
+                    )
+                    cold = not done
                 if cold:  # line-searched Newton steps to the mode (a plain step from afar can overshoot far)
                     centre, gradient, curvature = conditional_mode(
                         prior,
@@ -1151,7 +1189,10 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         if self.encoder_kind == "deepset":
             calls, observations = capture_observations(_ForceSubsamples(forced)(self.model), args, kwargs)
             covariates = self._covariates(args, kwargs)
-        elif self._gather_maps is not None:  # the plates of this call, to find the gathered ancestors' elements
+        elif self._gather_maps is not None and not forced:  # the plates of this call, to find the gathered ancestors'
+            # elements; the same arguments again: the last run's, Pyro's random subsamples drawn anew without a run
+            calls = self._capture_plates(args, kwargs, list(self.structure.plates))
+        elif self._gather_maps is not None:
             with keep_random_state():  # (the same draws as without gathers)
                 calls = capture_plates(_ForceSubsamples(forced)(self.model), args, kwargs)
         if self._gather_maps is not None:  # found now: the model must not run again inside the cascade
@@ -1687,28 +1728,6 @@ def predicted_expansions(old: dict, moved: torch.Tensor, new: dict, tol: float =
             if bool(((a - b).abs() > 5 * tol * float(b.abs().max()) + tiny).any()):
                 return False
     return True
-
-
-def _newton_step(
-    prior: GaussianPrior,
-    gradient: torch.Tensor,
-    curvature: torch.Tensor,
-    centre: torch.Tensor,
-    diagonal: bool,
-    floor: torch.Tensor,
-) -> tuple[torch.Tensor, bool, float]:
-    r"""The mean of the prior conditional times the expansion at ``centre`` — one Newton step from ``centre`` towards
-    the element's conditional mode —, whether every element's step is within one conditional sd
-    (:math:`|\Delta u_k| \sqrt{F_{kk} + P_{0,kk}} \le 1`: near the mode, where a plain step does not overshoot far),
-    and the largest step in prior sds (as :func:`~pyro_hier.conjugate.conditional_mode` measures it)."""
-    info, natural = pseudo_observation(gradient, curvature, centre, diagonal)
-    mean, _ = gaussian_update(prior, info, natural)
-    p0 = prior.precision if prior.diagonal else prior.precision.diagonal(dim1=-2, dim2=-1)
-    f = curvature.diagonal(dim1=-2, dim2=-1).clamp(min=floor)
-    moved = (mean - centre).abs()
-    size = (moved * (f + p0).sqrt()).amax()
-    within = bool(torch.isfinite(mean).all()) and float(size) <= 1.0
-    return mean, within, float((moved * p0.sqrt()).amax())
 
 
 def _natural_at(gradient: torch.Tensor, curvature: torch.Tensor, centre: torch.Tensor, diagonal: bool) -> torch.Tensor:
