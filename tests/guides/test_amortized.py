@@ -545,3 +545,46 @@ def test_a_bernoulli_likelihood_is_expanded_at_the_gaussian_optimum(newton_steps
     else:
         assert (float(at_mean.abs().max()) < 1e-3) == (newton_steps > 0), at_mean
         assert float((averaged.abs() / error).max()) > 6.0, (averaged, error)
+
+
+def test_a_dense_expanded_level_is_drawn_by_perturbation_with_the_same_q_and_gradients(monkeypatch):
+    """MovieLens's users (a dense level whose pseudo-observation is the model's expansion alone) are drawn by
+    perturbation (ConjugateNormal, scored by ConjugateScorer): the same q as gaussian_update's, and the same log
+    density and gradients in the globals' parameters at a value, as the Cholesky path it replaces."""
+    from pyro_hier.distributions import HeldConjugateNormal
+    from pyro_hier.problems.movielens import movielens_model
+
+    g = torch.Generator().manual_seed(1)
+    sizes = [30, 60, 4]
+    user = torch.cat([torch.full((n,), i) for i, n in enumerate(sizes)])
+    x = torch.cat([torch.ones(user.shape[0], 1), (torch.rand(user.shape[0], 2, generator=g) < 0.5).double()], -1)
+    y = torch.bernoulli(torch.full((user.shape[0],), 0.6, dtype=torch.float64), generator=g)
+    args, kwargs = (user, x, len(sizes)), {"rating": y}
+    pyro.clear_param_store()
+    guide = AutoAmortizedBranchGuide(movielens_model)
+    guide(*args, **kwargs)
+    with torch.no_grad():  # globals away from their initial values, so that the prior differs per coordinate
+        for p in guide.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+
+    def site(perturbed: bool):
+        monkeypatch.setattr(AutoAmortizedBranchGuide, "_perturbed", lambda self, level, prior: perturbed)
+        pyro.set_rng_seed(3)
+        return (
+            poutine.trace(guide).get_trace(*args, **kwargs).nodes["_AutoAmortizedBranchGuide_users_unconstrained"]["fn"]
+        )
+
+    new, old = site(True), site(False)
+    assert isinstance(new.sampler, HeldConjugateNormal)
+    assert torch.allclose(new.sampler.loc, old.mean, atol=1e-10)
+    assert torch.allclose(new.sampler.covariance_matrix, old.covariance_matrix, atol=1e-10)
+    value = old.mean.detach() + 0.4 * torch.randn(old.mean.shape, generator=g, dtype=torch.float64)
+    params = [p for p in guide.parameters() if p.requires_grad]
+    grads = []
+    for fn in (new, old):
+        log_q = fn.log_prob(value).sum()
+        grads.append((log_q, torch.autograd.grad(log_q, params, allow_unused=True)))
+    assert torch.allclose(grads[0][0], grads[1][0], atol=1e-9)
+    pairs = [(a, b) for a, b in zip(grads[0][1], grads[1][1], strict=True) if b is not None]
+    assert pairs and all(a is not None and torch.allclose(a, b, atol=1e-8) for a, b in pairs)
+    assert max(float(b.abs().max()) for _, b in pairs) > 1e-2  # (the density does depend on the globals)
