@@ -1427,10 +1427,11 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             return self._perturbed_distribution(level, prior)
 
         def build(detach: bool, delta: torch.Tensor | None) -> dist.TorchDistribution:
-            loc, scale = self._conjugate_params(level, prior, delta, detach, precision_tril=True)
+            drawn = not torch.is_grad_enabled()  # (draws alone, Predictive: from the precision's factor, no inverse)
+            loc, scale = self._conjugate_params(level, prior, delta, detach, precision_tril=drawn)
             if scale.dim() == loc.dim():
                 return dist.Normal(loc, scale).to_event(1)
-            return CholeskyPrecisionNormal(loc, scale)  # (scale: the precision's factor: no inverse is formed)
+            return CholeskyPrecisionNormal(loc, scale) if drawn else dist.MultivariateNormal(loc, scale_tril=scale)
 
         q = build(False, None if deltas is None else deltas[0])
         if self.stick_the_landing is False or not torch.is_grad_enabled():  # (the scorer only changes gradients)
