@@ -128,7 +128,9 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
     on the likelihood's expansion averaged over q (:func:`~pyro_hier.conjugate.smoothed_pseudo_observation`, at most
     :data:`EXPANSION_SMOOTHED_STEPS`; Laplace centres q at the mode, off the mean of a skewed likelihood: on
     ``benchmarks/unseen.py``'s binomial groups, one count each with few successes, the groups' means were all too
-    high, max error 0.133 sd against AutoNormal's 0.109, and 0.064 with the steps); a level with levels below it
+    high, max error 0.133 sd against AutoNormal's 0.109, and 0.064 with the steps; where the likelihood does not
+    move with the globals' draw, later redos continue those steps from the last pseudo-observation instead,
+    :meth:`_warm_potential`); a level with levels below it
     is expanded at its prior conditional's mean, its children integrated out (``expansion=False`` drops it): the
     likelihood itself when it is Gaussian in :math:`u_i`, whatever covariates the model uses —
     ``AutoAmortizedBranchGuide(model)`` needs no ``local_features`` for radon — moved with the globals' draw at
