@@ -1060,29 +1060,39 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         if EXPANSION_SMOOTHED_STEPS <= 0 or self._quadratic.get(level.name) is not False:
             return None
         kept = self._expansion_potentials.get(level.name)
-        rows = self._centre_rows(level, calls, centre)
-        if kept is None or rows is None or kept[1].shape[-1] != centre.shape[-1]:
+        rows = self._potential_rows(level, calls, centre)
+        d = centre.shape[-1]
+        if kept is None or rows is None or kept[1].shape[-1] != d:
             return None
         info, natural = kept[0][rows].to(centre.dtype), kept[1][rows].to(centre.dtype)
         if not (bool(torch.isfinite(natural).all()) and bool(torch.isfinite(info).all())):
             return None
-        return info, natural
+        return info.reshape((*centre.shape, *info.shape[2:])), natural.reshape(centre.shape)
 
     def _keep_potential(self, level: PlateLevel, calls: dict, info: torch.Tensor, natural: torch.Tensor) -> None:
-        rows = self._centre_rows(level, calls, natural)
+        rows = self._potential_rows(level, calls, natural)
         if rows is None:
             return
         assert self.structure is not None
-        size = self.structure.plates[level.plates[0]].size
+        size, d = self.structure.plates[level.plates[0]].size, natural.shape[-1]
+        event = info.shape[natural.dim() :]  # (d,) dense, () diagonal
         kept = self._expansion_potentials.get(level.name)
-        if kept is None or kept[0].shape[1:] != info.shape[1:] or kept[1].shape != (size, natural.shape[-1]):
+        if kept is None or kept[0].shape != (size, d, *event) or kept[1].shape != (size, d):
             nan = float("nan")
             kept = self._expansion_potentials[level.name] = (
-                info.new_full((size, *info.shape[1:]), nan),
-                natural.new_full((size, natural.shape[-1]), nan),
+                info.new_full((size, d, *event), nan),
+                natural.new_full((size, d), nan),
             )
-        kept[0][rows] = info.detach()
-        kept[1][rows] = natural.detach()
+        kept[0][rows] = info.detach().reshape((-1, d, *event))
+        kept[1][rows] = natural.detach().reshape((-1, d))
+
+    def _potential_rows(self, level: PlateLevel, calls: dict, like: torch.Tensor) -> torch.Tensor | None:
+        """The plate indices of the elements of ``like`` ``(..., d)``, for a level of one plate (nested or gathered:
+        its elements in the plate's order, whatever the dims beside; else ``None``)."""
+        if len(level.plates) != 1:
+            return None
+        rows = calls[level.plates[0]].indices
+        return rows.to(like.device) if like.numel() == rows.shape[0] * like.shape[-1] else None
 
     def _warm_centre(self, level: PlateLevel, calls: dict, centre: torch.Tensor) -> torch.Tensor:
         """Where :meth:`_expansion_mode` starts: each element's last mode (kept by :meth:`_keep_centre`, in this process
