@@ -1056,9 +1056,12 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         :func:`~pyro_hier.conjugate.smoothed_pseudo_observation` continued across redos at the globals' current mean
         (q is the prior conditional there times the last pseudo-observation), without the Newton steps to the mode and
         the Laplace expansion there (:meth:`_expansion_mode`: the curvature's ``d`` Hessian-vector products per
-        step), which only start that iteration. ``None`` (the full redo) for elements without one."""
+        step), which only start that iteration. ``None`` (the full redo) for elements without one, and in calls
+        without gradients."""
         if EXPANSION_SMOOTHED_STEPS <= 0 or self._quadratic.get(level.name) is not False:
             return None
+        if not torch.is_grad_enabled():  # (summaries, Predictive: from the mode, so they do not depend on the redos
+            return None  # this process made, and a guide restored from its state gives the same)
         kept = self._expansion_potentials.get(level.name)
         rows = self._potential_rows(level, calls, centre)
         d = centre.shape[-1]
@@ -1077,7 +1080,12 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         size, d = self.structure.plates[level.plates[0]].size, natural.shape[-1]
         event = info.shape[natural.dim() :]  # (d,) dense, () diagonal
         kept = self._expansion_potentials.get(level.name)
-        if kept is None or kept[0].shape != (size, d, *event) or kept[1].shape != (size, d):
+        if (
+            kept is None
+            or kept[0].shape != (size, d, *event)
+            or kept[1].shape != (size, d)
+            or (kept[1].dtype, kept[1].device) != (natural.dtype, natural.device)
+        ):
             nan = float("nan")
             kept = self._expansion_potentials[level.name] = (
                 info.new_full((size, d, *event), nan),
