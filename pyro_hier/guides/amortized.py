@@ -1006,7 +1006,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
                 info, natural = pseudo_observation(gradient, curvature, centre, self._is_diagonal(level))
                 if iterate and not self._quadratic[name] and EXPANSION_SMOOTHED_STEPS > 0:
                     info, natural = self._smoothed_potential(level, values, expand, info, natural)
-                    if not self._reads_slopes(level):  # (the next redo starts from it: _warm_potential)
+                    if not self._reads_slopes(level) and torch.is_grad_enabled():  # (the next redo's start)
                         self._keep_potential(level, calls, info, natural)
             slopes = None
             nodes = None
