@@ -14,7 +14,14 @@ from torch.distributions.utils import _standard_normal, lazy_property
 
 from pyro_hier.transforms import positive, scale_tril_from_raw
 
-__all__ = ["CholeskyPrecisionNormal", "ConjugateNormal", "ConjugateScorer", "StickingTheLanding", "unwrap"]
+__all__ = [
+    "CholeskyPrecisionNormal",
+    "ConjugateNormal",
+    "ConjugateScorer",
+    "HeldConjugateNormal",
+    "StickingTheLanding",
+    "unwrap",
+]
 
 
 class StickingTheLanding(dist.TorchDistribution):
@@ -387,6 +394,66 @@ class ConjugateNormal(CholeskyPrecisionNormal):
             self.prior_loc.expand(batch_shape + d),
             self.prior_precision.expand(batch_shape + d),
         )
+
+
+class HeldConjugateNormal(ConjugateNormal):
+    r""":class:`ConjugateNormal` whose pseudo-observation is held (no gradient): the prior conditional
+    :math:`(m_0, p_0)` (diagonal precision, with gradients) times a Gaussian pseudo-observation given in natural
+    parameters, precision :math:`\Lambda` and natural parameter :math:`\eta`,
+
+    .. math::
+
+        q = \mathcal N(P^{-1}(p_0 \odot m_0 + \eta),\ P^{-1}), \qquad P = \operatorname{diag}(p_0) + \Lambda,
+
+    drawn by perturbation, :math:`u = P^{-1}(p_0 \odot m_0 + \eta + A\varepsilon_1 + \sqrt{p_0}\odot\varepsilon_2)`
+    with ``root`` :math:`A` any root of :math:`\Lambda` (:math:`A A^\top = \Lambda`, e.g. from its
+    eigendecomposition): :class:`ConjugateNormal` with :math:`R = A`, :math:`L = I`, :math:`M = 0` and
+    :math:`c = \eta`, built from :math:`\Lambda` itself (one Cholesky factorisation of :math:`P` and one inverse of
+    its factor, without the products that make :math:`A L`, :math:`(AL)(AL)^\top` and :math:`A A^\top M`). The draw's
+    gradients are :class:`ConjugateNormal`'s in :math:`m_0` and :math:`p_0` (:math:`\partial_{m_0} = p_0 \odot v`,
+    :math:`\partial_{p_0} = v \odot (m_0 - u) + v \odot \varepsilon_2 / (2\sqrt{p_0})`, :math:`v = P^{-1}\bar g`);
+    none reaches :math:`\Lambda`, :math:`\eta` or :math:`A`.
+
+    Example (a level's q from the model's expansion ``(lam, eta)`` of its likelihood, the prior conditional live)::
+
+        values, vectors = torch.linalg.eigh(lam)
+        root = vectors * values.clamp(min=0).sqrt().unsqueeze(-2)
+        q = HeldConjugateNormal(root, lam, eta, prior.loc, prior.precision)
+        q = StickingTheLanding(q, ConjugateScorer(q.loc, q.precision_tril, prior.loc, prior.precision))
+    """
+
+    def __init__(
+        self,
+        root: torch.Tensor,
+        precision: torch.Tensor,
+        natural: torch.Tensor,
+        prior_loc: torch.Tensor,
+        prior_precision: torch.Tensor,
+        validate_args=None,
+    ) -> None:
+        d = natural.shape[-1]
+        if root.shape[-2:] != (d, d) or precision.shape[-2:] != (d, d):
+            raise ValueError(
+                f"root and precision must be (..., {d}, {d}) for natural (..., {d}), got {tuple(root.shape)} and "
+                f"{tuple(precision.shape)}"
+            )
+        batch = torch.broadcast_shapes(
+            root.shape[:-2], precision.shape[:-2], natural.shape[:-1], prior_loc.shape[:-1], prior_precision.shape[:-1]
+        )
+        with torch.no_grad():
+            total = precision.expand((*batch, d, d)).clone()
+            total.diagonal(dim1=-2, dim2=-1).add_(prior_precision)
+            tril = torch.linalg.cholesky(total)
+            eye = torch.eye(d, dtype=tril.dtype, device=tril.device)
+            inverse_tril = torch.linalg.solve_triangular(tril, eye, upper=False)
+            loc = _inverse_solve(inverse_tril, prior_precision * prior_loc + natural)
+        self.fisher_sd, self.raw = root, natural.new_zeros((d, d))  # (L = I: raw W = 0)
+        self.mean_param, self.offset = natural.new_zeros((d,)).expand(natural.shape), natural
+        self.prior_loc, self.prior_precision = prior_loc, prior_precision
+        self.scale, self.factor, self.root = natural.new_ones((d,)), eye, root
+        self.root_mean = natural.new_zeros((d,)).expand((*batch, d))  # AᵀM = 0
+        CholeskyPrecisionNormal.__init__(self, loc, tril, validate_args=False)
+        self._inverse_tril = inverse_tril
 
 
 class ConjugateScorer(dist.TorchDistribution):

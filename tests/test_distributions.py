@@ -5,8 +5,14 @@ import pyro.distributions as dist
 import pytest
 import torch
 
-from pyro_hier.conjugate import GaussianPrior, conjugate_conditional, conjugate_offset
-from pyro_hier.distributions import CholeskyPrecisionNormal, ConjugateNormal, ConjugateScorer, StickingTheLanding
+from pyro_hier.conjugate import GaussianPrior, conjugate_conditional, conjugate_offset, gaussian_update
+from pyro_hier.distributions import (
+    CholeskyPrecisionNormal,
+    ConjugateNormal,
+    ConjugateScorer,
+    HeldConjugateNormal,
+    StickingTheLanding,
+)
 from pyro_hier.transforms import scale_tril_from_raw
 
 
@@ -175,6 +181,32 @@ def test_conjugate_normal_gradients_are_those_of_its_draw():
         torch.autograd.grad((explicit * weight).sum(), params),
     ):
         torch.testing.assert_close(x, y)
+
+
+def test_held_conjugate_normal_is_the_conjugate_normal_of_a_held_pseudo_observation():
+    """Built from ``(Λ, η)`` and a root ``A`` of ``Λ``, it is ``ConjugateNormal(A, 0, 0, η, m0, p0)``: the same mean,
+    precision factor and draws from the same normal variates, the same gradients in ``(m0, p0)``, and its mean is
+    ``gaussian_update``'s."""
+    refs, _, _, m0, p0 = _conjugate_parts()
+    root = refs[2]
+    n, d = root.shape[:2]
+    lam = root @ root.mT
+    eta = torch.randn(n, d, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    held = HeldConjugateNormal(root, lam, eta, m0, p0)
+    full = ConjugateNormal(root, torch.zeros(n, d, d, dtype=torch.float64), torch.zeros_like(eta), eta, m0, p0)
+    loc, tril = gaussian_update(GaussianPrior(m0.expand(n, d), p0.expand(n, d)), lam, eta, precision_tril=True)
+    torch.testing.assert_close(held.loc, loc.detach())
+    torch.testing.assert_close(held.precision_tril, tril.detach())
+    weight = torch.randn(2, n, d, dtype=torch.float64)
+    grads = []
+    for q in (held, full):
+        torch.manual_seed(4)
+        u = q.rsample((2,))
+        grads.append((u.detach(), torch.autograd.grad((u * weight).sum(), [m0, p0])))
+    torch.testing.assert_close(grads[0][0], grads[1][0])
+    for x, y in zip(grads[0][1], grads[1][1], strict=True):
+        torch.testing.assert_close(x, y)
+    assert held.expand((3, n)).rsample().shape == (3, n, d)
 
 
 def test_unwrap_finds_the_distribution_behind_shape_wrappers():

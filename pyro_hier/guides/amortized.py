@@ -28,7 +28,7 @@ from pyro_hier.conjugate import (
     smoothed_pseudo_observation,
     warm_conditional_mode,
 )
-from pyro_hier.distributions import StickingTheLanding
+from pyro_hier.distributions import CholeskyPrecisionNormal, ConjugateScorer, HeldConjugateNormal, StickingTheLanding
 from pyro_hier.errors import StructureError
 from pyro_hier.gather_maps import full_data_call
 from pyro_hier.gathers import keep_random_state
@@ -143,7 +143,9 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
     on the likelihood's expansion averaged over q (:func:`~pyro_hier.conjugate.smoothed_pseudo_observation`, at most
     :data:`EXPANSION_SMOOTHED_STEPS`; Laplace centres q at the mode, off the mean of a skewed likelihood: on
     ``benchmarks/unseen.py``'s binomial groups, one count each with few successes, the groups' means were all too
-    high, max error 0.133 sd against AutoNormal's 0.109, and 0.064 with the steps); a level with levels below it
+    high, max error 0.133 sd against AutoNormal's 0.109, and 0.064 with the steps; where the likelihood does not
+    move with the globals' draw, later redos continue those steps from the last pseudo-observation instead,
+    :meth:`_warm_potential`); a level with levels below it
     is expanded at its prior conditional's mean, its children integrated out (``expansion=False`` drops it): the
     likelihood itself when it is Gaussian in :math:`u_i`, whatever covariates the model uses —
     ``AutoAmortizedBranchGuide(model)`` needs no ``local_features`` for radon — moved with the globals' draw at
@@ -399,12 +401,15 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         state = super().__getstate__()
         state["_expansion_cache"] = None  # (keyed by the identity of this process's arguments)
         state["_expansion_centres"] = {}
+        state["_expansion_roots"] = {}
+        state["_expansion_potentials"] = {}
         state["_model_run"] = None
         return state
 
     def _load_from_state_dict(self, *args, **kwargs) -> None:
         super()._load_from_state_dict(*args, **kwargs)
         self._expansion_cache = None  # (made at the parameters before the load: made again on the next call)
+        self._expansion_potentials = {}  # (and from the mode: the last ones are at the parameters before the load)
 
     # ---- setup --------------------------------------------------------------------------------------------------
     def _setup_prototype(self, *args, **kwargs) -> None:
@@ -453,6 +458,8 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         #: {level: (precision, natural parameter, slopes or None)})
         self._expansion_cache: tuple | None = None
         self._expansion_centres: dict[str, torch.Tensor] = {}  # leaf levels: each element's last mode (full size)
+        self._expansion_roots: dict[str, tuple] = {}  # dense levels drawn by perturbation: (expansion, its root)
+        self._expansion_potentials: dict[str, tuple] = {}  # leaf levels: each element's last pseudo-observation
         self._model_run: tuple | None = None  # the last inspection run of the model, keyed by its arguments
         self._expanded: dict = {}  # the expansions of the current call
         self._expanded_at: tuple | None = None  # rows drawn at random: the globals' q where they were read
@@ -1105,29 +1112,35 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
 
             centre = centres[name]
             iterate = collapse is None and EXPANSION_NEWTON_STEPS > 0
-            if iterate:  # from the elements' last modes, where known
-                centre = centres[name] = self._warm_centre(level, calls, centre)
-                values.update(self._level_values(level, centre))
-            gradient, curvature = expand(values)
-            if iterate:
-                mode = self._rows_expansion_mode if rows else self._expansion_mode
-                centre, gradient, curvature = mode(level, values, centre, gradient, curvature, expand)
-                centres[name] = centre
-                self._keep_centre(level, calls, centre)
-                values.update(self._level_values(level, centre))
-            info, natural = pseudo_observation(gradient, curvature, centre, self._is_diagonal(level))
-            if iterate and not self._quadratic[name] and EXPANSION_SMOOTHED_STEPS > 0:
-                info, natural = smoothed_pseudo_observation(
-                    self._level_prior(level, {s: self._prior_fns[s] for s in level.sites}),
-                    info,
-                    natural,
-                    lambda u, at=values, f=expand: f(at, u, curvature=False)[0],
-                    self._is_diagonal(level),
-                    EXPANSION_SMOOTHED_STEPS,
-                    EXPANSION_SMOOTHED_TOLERANCE,
-                )
+            warm = self._warm_potential(level, calls, centre) if iterate else None
+            if warm is not None:  # the last redo's Gaussian optimum: the fixed-point steps from there
+                info, natural = self._smoothed_potential(level, values, expand, *warm)
+                self._keep_potential(level, calls, info, natural)
+                if len(leaves) > 1:  # (crossed: the others are expanded at this level's q mean)
+                    prior = self._level_prior(level, {s: self._prior_fns[s] for s in level.sites})
+                    centre = centres[name] = gaussian_update(prior, info, natural)[0].detach()
+                    self._keep_centre(level, calls, centre)
+                    values.update(self._level_values(level, centre))
+            else:
+                if iterate:  # from the elements' last modes, where known
+                    centre = centres[name] = self._warm_centre(level, calls, centre)
+                    values.update(self._level_values(level, centre))
+                gradient, curvature = expand(values)
+                if iterate:
+                    mode = self._rows_expansion_mode if rows else self._expansion_mode
+                    centre, gradient, curvature = mode(level, values, centre, gradient, curvature, expand)
+                    centres[name] = centre
+                    self._keep_centre(level, calls, centre)
+                    values.update(self._level_values(level, centre))
+                info, natural = pseudo_observation(gradient, curvature, centre, self._is_diagonal(level))
+                if iterate and not self._quadratic[name] and EXPANSION_SMOOTHED_STEPS > 0:
+                    info, natural = self._smoothed_potential(level, values, expand, info, natural)
+                    if not self._reads_slopes(level) and torch.is_grad_enabled():  # (the next redo's start)
+                        self._keep_potential(level, calls, info, natural)
             slopes = None
-            nodes = self._slope_nodes(level, curvature, lambda at=values, u=centre, f=expand: f(at, u + 1.0)[1])
+            nodes = None
+            if warm is None:
+                nodes = self._slope_nodes(level, curvature, lambda at=values, u=centre, f=expand: f(at, u + 1.0)[1])
             if nodes is not None:
                 kept = None if old is None else old[name][2]
                 if kept is None or refreshes % SLOPES_EVERY == 0:
@@ -1145,6 +1158,78 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
                 None if slopes is None else tuple(t.reshape((*shape, *t.shape[-2:])) for t in slopes),
             )
         return made
+
+    def _smoothed_potential(
+        self, level: PlateLevel, values: dict, expand: Callable, info: torch.Tensor, natural: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`~pyro_hier.conjugate.smoothed_pseudo_observation` from the pseudo-observation ``(info, natural)``: at
+        most :data:`EXPANSION_SMOOTHED_STEPS` fixed-point steps towards the Gaussian optimum of the ELBO at the
+        globals' mean (the rest of the model held at ``values``)."""
+        return smoothed_pseudo_observation(
+            self._level_prior(level, {s: self._prior_fns[s] for s in level.sites}),
+            info,
+            natural,
+            lambda u, at=values, f=expand: f(at, u, curvature=False)[0],
+            self._is_diagonal(level),
+            EXPANSION_SMOOTHED_STEPS,
+            EXPANSION_SMOOTHED_TOLERANCE,
+        )
+
+    def _warm_potential(
+        self, level: PlateLevel, calls: dict, centre: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        r"""Where a redo of a leaf level's expansion starts when its elements have one: the pseudo-observation the
+        last redo left them (:meth:`_keep_potential`, kept where the likelihood is not Gaussian in the level and does
+        not move with the globals' draw; in this process only: a cache, not state). The redo is then
+        :meth:`_smoothed_potential` from it alone — the fixed-point iteration of
+        :func:`~pyro_hier.conjugate.smoothed_pseudo_observation` continued across redos at the globals' current mean
+        (q is the prior conditional there times the last pseudo-observation), without the Newton steps to the mode and
+        the Laplace expansion there (:meth:`_expansion_mode`: the curvature's ``d`` Hessian-vector products per
+        step), which only start that iteration. ``None`` (the full redo) for elements without one, and in calls
+        without gradients."""
+        if EXPANSION_SMOOTHED_STEPS <= 0 or self._quadratic.get(level.name) is not False:
+            return None
+        if not torch.is_grad_enabled():  # (summaries, Predictive: from the mode, so they do not depend on the redos
+            return None  # this process made, and a guide restored from its state gives the same)
+        kept = self._expansion_potentials.get(level.name)
+        rows = self._potential_rows(level, calls, centre)
+        d = centre.shape[-1]
+        if kept is None or rows is None or kept[1].shape[-1] != d:
+            return None
+        info, natural = kept[0][rows].to(centre.dtype), kept[1][rows].to(centre.dtype)
+        if not (bool(torch.isfinite(natural).all()) and bool(torch.isfinite(info).all())):
+            return None
+        return info.reshape((*centre.shape, *info.shape[2:])), natural.reshape(centre.shape)
+
+    def _keep_potential(self, level: PlateLevel, calls: dict, info: torch.Tensor, natural: torch.Tensor) -> None:
+        rows = self._potential_rows(level, calls, natural)
+        if rows is None:
+            return
+        assert self.structure is not None
+        size, d = self.structure.plates[level.plates[0]].size, natural.shape[-1]
+        event = info.shape[natural.dim() :]  # (d,) dense, () diagonal
+        kept = self._expansion_potentials.get(level.name)
+        if (
+            kept is None
+            or kept[0].shape != (size, d, *event)
+            or kept[1].shape != (size, d)
+            or (kept[1].dtype, kept[1].device) != (natural.dtype, natural.device)
+        ):
+            nan = float("nan")
+            kept = self._expansion_potentials[level.name] = (
+                info.new_full((size, d, *event), nan),
+                natural.new_full((size, d), nan),
+            )
+        kept[0][rows] = info.detach().reshape((-1, d, *event))
+        kept[1][rows] = natural.detach().reshape((-1, d))
+
+    def _potential_rows(self, level: PlateLevel, calls: dict, like: torch.Tensor) -> torch.Tensor | None:
+        """The plate indices of the elements of ``like`` ``(..., d)``, for a level of one plate (nested or gathered:
+        its elements in the plate's order, whatever the dims beside; else ``None``)."""
+        if len(level.plates) != 1:
+            return None
+        rows = calls[level.plates[0]].indices
+        return rows.to(like.device) if like.numel() == rows.shape[0] * like.shape[-1] else None
 
     def _warm_centre(self, level: PlateLevel, calls: dict, centre: torch.Tensor) -> torch.Tensor:
         """Where :meth:`_expansion_mode` starts: each element's last mode (kept by :meth:`_keep_centre`, in this process
@@ -1527,11 +1612,15 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
                 moved = values[self._global_level.name] - self._expanded_at[0]
                 deltas = (moved, moved)
 
+        if deltas is None and torch.is_grad_enabled() and self._perturbed(level, prior):
+            return self._perturbed_distribution(level, prior)
+
         def build(detach: bool, delta: torch.Tensor | None) -> dist.TorchDistribution:
-            loc, scale = self._conjugate_params(level, prior, delta, detach)
+            drawn = not torch.is_grad_enabled()  # (draws alone, Predictive: from the precision's factor, no inverse)
+            loc, scale = self._conjugate_params(level, prior, delta, detach, precision_tril=drawn)
             if scale.dim() == loc.dim():
                 return dist.Normal(loc, scale).to_event(1)
-            return dist.MultivariateNormal(loc, scale_tril=scale)
+            return CholeskyPrecisionNormal(loc, scale) if drawn else dist.MultivariateNormal(loc, scale_tril=scale)
 
         q = build(False, None if deltas is None else deltas[0])
         if self.stick_the_landing is False or not torch.is_grad_enabled():  # (the scorer only changes gradients)
@@ -1541,13 +1630,72 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             return q  # no variational parameter in q's density (the model's expansion alone): q is its own scorer
         return StickingTheLanding(q, build(True, None if deltas is None else deltas[1]))
 
+    def _perturbed(self, level: PlateLevel, prior) -> bool:
+        """Whether :meth:`_perturbed_distribution` draws this level on this call: a dense level of more than one
+        coordinate with a diagonal prior conditional whose pseudo-observation is the model's expansion alone (no
+        networks, no slopes on the globals)."""
+        expanded = self._expanded.get(level.name)
+        return (
+            expanded is not None
+            and expanded[2] is None
+            and level.name not in self.network_levels
+            and level.numel > 1
+            and not self._is_diagonal(level)
+            and prior.diagonal
+            and expanded[0].dim() > expanded[1].dim()
+        )
+
+    def _perturbed_distribution(self, level: PlateLevel, prior) -> dist.TorchDistribution:
+        r"""q of a dense conjugate level whose pseudo-observation :math:`(\Lambda_i, \eta_i)` is the model's expansion
+        alone (held: no parameter of the guide is in it), drawn by perturbation as the branch guide's dense levels are:
+        :class:`~pyro_hier.distributions.HeldConjugateNormal` (:class:`~pyro_hier.distributions.ConjugateNormal` with
+        :math:`A_i` a root of :math:`\Lambda_i`, :math:`A_i A_i^\top = \Lambda_i`, from its eigendecomposition, made
+        once per expansion), so that
+
+        .. math:: u_i = P_i^{-1}\big(p_0 \odot m_0 + \eta_i + A_i\varepsilon_1 + \sqrt{p_0}\odot\varepsilon_2\big),
+            \qquad P_i = \operatorname{diag}(p_0) + \Lambda_i,
+
+        :math:`(m_0, p_0)` the prior conditional at the globals' draw. The same q as
+        :func:`~pyro_hier.conjugate.gaussian_update` gives; its gradients in :math:`(m_0, p_0)` are in closed form
+        (no derivative of a Cholesky factorisation). Scored by :class:`~pyro_hier.distributions.ConjugateScorer`,
+        whose gradients in :math:`(m_0, p_0)` with :math:`(\Lambda_i, \eta_i)` held are those of q's own log density
+        here, so the estimator is the plain reparameterised one (sticking the landing drops nothing: q has no
+        variational parameter of its own)."""
+        info, natural, _ = self._expanded[level.name]
+        root = self._expansion_root(level, info)
+        q = HeldConjugateNormal(root, info, natural, prior.loc, prior.precision)
+        scorer = ConjugateScorer(q.loc, q.precision_tril, prior.loc, prior.precision, inverse_tril=q.inverse_tril)
+        return StickingTheLanding(q, scorer)
+
+    def _expansion_root(self, level: PlateLevel, info: torch.Tensor) -> torch.Tensor:
+        r"""A root :math:`A` of the expansion's precision ``info`` :math:`\Lambda` (``(..., d, d)``, positive
+        semi-definite: :func:`~pyro_hier.conjugate.pseudo_observation`), :math:`A A^\top = \Lambda`: :math:`V
+        \operatorname{diag}(\lambda_+)^{1/2}` from its eigendecomposition (eigenvalues below zero by rounding set to
+        zero). Kept while the expansion is the same tensor (it is redone every :data:`EXPANSION_EVERY` calls or
+        less often)."""
+        kept = self._expansion_roots.get(level.name)
+        if kept is not None and kept[0] is info:
+            return kept[1]
+        with torch.no_grad():
+            values, vectors = torch.linalg.eigh(0.5 * (info + info.mT))
+            root = vectors * values.clamp(min=0.0).sqrt().unsqueeze(-2)
+        self._expansion_roots[level.name] = (info, root)
+        return root
+
     def _conjugate_params(
-        self, level: PlateLevel, prior, delta: torch.Tensor | None, detach: bool = False
+        self,
+        level: PlateLevel,
+        prior,
+        delta: torch.Tensor | None,
+        detach: bool = False,
+        precision_tril: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loc, scale)`` of a conjugate level's q on this call: ``prior`` (a
         :class:`~pyro_hier.conjugate.GaussianPrior`) times the networks' and the model's pseudo-observations, the
         latter moved by ``delta`` (the globals' draw less their mean) when it has slopes; ``detach``: the networks'
-        part without gradient (the scorer of sticking the landing)."""
+        part without gradient (the scorer of sticking the landing); ``precision_tril``: a matrix ``scale`` is the
+        lower Cholesky factor of q's precision instead of its covariance's
+        (:func:`~pyro_hier.conjugate.gaussian_update`)."""
         assert self._decoded is not None
         potential = self._decoded[level.name]
         precision, shift = potential.precision, potential.shift
@@ -1567,7 +1715,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             precision, shift = precision + info, shift + natural
         if level.numel == 1 and precision.dim() > shift.dim():  # one coordinate: elementwise
             precision = precision.squeeze(-1)
-        return gaussian_update(prior, precision, shift)
+        return gaussian_update(prior, precision, shift, precision_tril=precision_tril)
 
     def _linearised_conditional(self, name: str, args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
         r"""A conjugate level's conditional in the paper's form :math:`\mathcal N(\mu_i + A_i \theta, \Sigma_i)`,
