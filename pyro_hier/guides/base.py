@@ -105,7 +105,14 @@ class HierarchicalGuide(AutoGuide):
         (``poutine.block``). There a run of the part's own model would draw those sites from their prior (noisy
         references and expansions; with rows drawn at random as well, a NaN loss), so this is the whole model with
         those sites set to the other parts' medians on this call (:meth:`hidden_values`), then hidden as the part's
-        model hides them."""
+        model hides them. Example (the noise scale to an ``AutoNormal`` part, the rest to the branch guide)::
+
+            guide = AutoGuideList(model)
+            guide.append(AutoBranchGuide(poutine.block(model, hide=["sigma"])))
+            guide.append(AutoNormal(poutine.block(model, expose=["sigma"])))
+            # the branch part's references read the likelihood at sigma = the AutoNormal part's median
+
+        Reference: Pyro's ``AutoGuideList`` (pyro.infer.autoguide), whose parts see only their own sites."""
         if getattr(self, "_hidden_sites", None) is not None:
             return _GivenHiddenSites(self)
         return self.user_model
