@@ -74,7 +74,8 @@ EXPANSION_TOLERANCE = 0.05
 EXPANSION_NEWTON_STEPS = 8
 #: at most this many Gauss–Seidel sweeps over crossed leaf levels, all Gaussian, before each redo of their expansions,
 #: until no centre moves by ``CROSSED_TOLERANCE`` of its prior sd (float32: 1e-4) (:meth:`_expansions`); levels that
-#: are not Gaussian take one sweep a redo, from their last modes
+#: are not Gaussian take one sweep a training redo, from their last modes, and sweeps to the Newton steps' tolerance
+#: in calls without gradients
 CROSSED_SWEEPS = 50
 CROSSED_TOLERANCE = 1e-9
 EXPANSION_NEWTON_TOLERANCE = 1e-6  # (in float32 no finer than 1e-3: the gradient's rounding)
@@ -1083,8 +1084,10 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             values.update(self._level_values(self._levels[name], centres[name]))
         # (where a leaf's likelihood is not Gaussian its Newton steps are the cost: one sweep a redo, in the loop below,
         # continues from the last; IRT's Bernoulli answers: 232 CPU s with sweeps to the fixed point, 100 without)
-        gaussian = all(self._quadratic.get(n, True) for n in leaves)
-        for _ in range(CROSSED_SWEEPS if len(leaves) > 1 and gaussian and EXPANSION_NEWTON_STEPS > 0 else 0):
+        # (calls without gradients, summaries and Predictive, sweep to the fixed point whatever the likelihood, so that
+        # they do not depend on the redos this process made: a loaded guide gives the same medians)
+        to_fixed_point = all(self._quadratic.get(n, True) for n in leaves) or not torch.is_grad_enabled()
+        for _ in range(CROSSED_SWEEPS if len(leaves) > 1 and to_fixed_point and EXPANSION_NEWTON_STEPS > 0 else 0):
             moved = 0.0  # (largest move of a centre in this sweep, in prior sds)
             for name in leaves:
                 level = self._levels[name]
@@ -1100,9 +1103,14 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
                 centres[name] = centre
                 self._keep_centre(level, calls, centre)
                 values.update(self._level_values(level, centre))
-            if not all(self._quadratic.get(n) for n in leaves):
+            gaussian = all(self._quadratic.get(n) for n in leaves)
+            if not gaussian and torch.is_grad_enabled():
                 break  # (found not Gaussian on this first sweep)
-            if moved < (CROSSED_TOLERANCE if centre.dtype == torch.float64 else 1e-4):
+            if centre.dtype == torch.float64:
+                tolerance = CROSSED_TOLERANCE if gaussian else EXPANSION_NEWTON_TOLERANCE
+            else:
+                tolerance = 1e-4 if gaussian else 1e-3
+            if moved < tolerance:
                 break  # (a fixed point: the same from any start, so q does not depend on the calls before)
         for name in reversed(self.expanded_levels):  # children first: a parent integrates them out
             level = self._levels[name]
