@@ -789,6 +789,33 @@ def warm_conditional_mode(
     return centre, gradient, curvature, False
 
 
+def cubature_points(mean: torch.Tensor, scale: torch.Tensor, dims: int | None = None) -> list[torch.Tensor]:
+    r"""The points of the third-degree spherical cubature rule for :math:`\mathcal N(m, S S^\top)` in its ``d``
+    coordinates, :math:`[m + r S e_1,\ m - r S e_1,\ m + r S e_2, \dots]` (:math:`2d` points of equal weight,
+    exact for polynomials of degree 3), with ``mean`` :math:`m` ``(..., d)``, ``scale`` :math:`S` lower triangular
+    ``(..., d, d)`` or the sds ``(..., d)``, and :math:`r = \sqrt{D}`, :math:`D` = ``dims`` (default ``d``). A larger
+    ``dims`` makes them this block's points of the rule on a joint of :math:`D` coordinates with a block-diagonal
+    :math:`S` (the other blocks at their means; weights :math:`1/(2D)`).
+
+    Example::
+
+        points = cubature_points(loc, sd)                  # E_q[f] ≈ mean of f over the points
+        expected = sum(f(u) for u in points) / len(points)
+
+    Reference: A. H. Stroud, *Approximate Calculation of Multiple Integrals*, 1971."""
+    d = mean.shape[-1]
+    radius = float(dims if dims is not None else d) ** 0.5
+    points = []
+    for k in range(d):
+        if scale.dim() == mean.dim():
+            offset = torch.zeros_like(mean)
+            offset[..., k] = radius * scale[..., k]
+        else:
+            offset = radius * scale[..., :, k]
+        points += [mean + offset, mean - offset]
+    return points
+
+
 def smoothed_expansion(
     rest_gradient: Callable[[torch.Tensor], torch.Tensor], mean: torch.Tensor, scale: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -823,13 +850,9 @@ def smoothed_expansion(
     radius = d**0.5
     diagonal = scale.dim() == mean.dim()
     total, differences = torch.zeros_like(mean), []
+    points = cubature_points(mean, scale)
     for k in range(d):
-        if diagonal:
-            offset = torch.zeros_like(mean)
-            offset[..., k] = radius * scale[..., k]
-        else:
-            offset = radius * scale[..., :, k]
-        plus, minus = rest_gradient(mean + offset), rest_gradient(mean - offset)
+        plus, minus = rest_gradient(points[2 * k]), rest_gradient(points[2 * k + 1])
         total = total + plus + minus
         differences.append(plus - minus)
     expected_gradient = total / (2 * d)

@@ -22,7 +22,7 @@ is turned into a plain description, :class:`ModelStructure`:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -335,6 +335,21 @@ class ModelStructure:
             deps = prior.get(name, {})
             out[name] = tuple(p for p in self.latent if p in deps and p != name)
         return out
+
+    def descendants(self, sites: Iterable[str]) -> set[str]:
+        """The latent and observed sites whose distributions depend on ``sites``, directly or through other sites
+        (by :attr:`parents`), ``sites`` themselves excluded: the terms of the joint density a change of ``sites``
+        reaches."""
+        start = set(sites)
+        reached: set[str] = set()
+        frontier = list(start)
+        while frontier:
+            x = frontier.pop()
+            for site, parents in self.parents.items():
+                if x in parents and site not in reached and site not in start:
+                    reached.add(site)
+                    frontier.append(site)
+        return reached
 
     def plate_levels(self, sites: list[str] | tuple[str, ...] | None = None) -> tuple[PlateLevel, ...]:
         """Group continuous latent ``sites`` (default: all continuous, non-enumerated latents) by their plates.

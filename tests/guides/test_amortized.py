@@ -1,5 +1,6 @@
 """AutoAmortizedBranchGuide: data found in the model, ragged data, constant parameter count, new groups, errors."""
 
+import numpy
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -710,3 +711,63 @@ def test_crossed_bernoulli_levels_give_the_same_medians_after_a_pickle_round_tri
         medians.append(each.median(student, question, y))
     for name in ("ability", "difficulty"):
         torch.testing.assert_close(medians[1][name], medians[0][name], atol=1e-4, rtol=0)
+
+
+def test_crossed_bernoulli_levels_reach_the_optimum_of_the_factorised_gaussian_elbo():
+    """Crossed students and questions with Bernoulli answers, the global held at 0: q(a)q(b) of the guide's
+    expansions is the optimum of the ELBO over independent Gaussians for each element, found here by L-BFGS on that
+    ELBO computed by 40-point Gauss–Hermite quadrature (each answer reads ``a_s − b_q``, Gaussian under q). Each
+    level's pseudo-observation is the model's expansion averaged over q of the other level as well as its own
+    (``_crossed_smoothing``), by a degree-3 rule whose own error is 0.027 sd here; at the other's modes instead q's
+    means were 0.27 sd off the optimum and its sds 11% off."""
+    S, Q = 10, 4
+    g = torch.Generator().manual_seed(2)
+    student = torch.arange(S).repeat_interleave(3)
+    question = torch.stack([torch.randperm(Q, generator=g)[:3] for _ in range(S)]).reshape(-1)
+    y = torch.bernoulli(torch.full((len(student),), 0.55, dtype=torch.float64), generator=g)
+    prior_sd = 2.0
+
+    def model(student, question, y):
+        mu = pyro.sample("mu", dist.Normal(torch.zeros((), dtype=torch.float64), 1.0))
+        with pyro.plate("students", S):
+            a = pyro.sample("a", dist.Normal(torch.zeros((), dtype=torch.float64), prior_sd))
+        with pyro.plate("questions", Q):
+            b = pyro.sample("b", dist.Normal(mu, prior_sd))
+        with pyro.plate("answers", len(student)):
+            pyro.sample("y", dist.Bernoulli(logits=a[..., student] - b[..., question]), obs=y)
+
+    nodes, weights = numpy.polynomial.hermite_e.hermegauss(40)
+    nodes, weights = torch.tensor(nodes), torch.tensor(weights / weights.sum())
+    m = torch.zeros(S + Q, dtype=torch.float64, requires_grad=True)
+    log_s = torch.zeros(S + Q, dtype=torch.float64, requires_grad=True)
+
+    def negative_elbo() -> torch.Tensor:
+        s = log_s.exp()
+        mean = m[student] - m[S + question]
+        sd = (s[student].pow(2) + s[S + question].pow(2)).sqrt()
+        logits = mean.unsqueeze(-1) + sd.unsqueeze(-1) * nodes
+        expected = (dist.Bernoulli(logits=logits).log_prob(y.unsqueeze(-1)) * weights).sum(-1).sum()
+        prior = (-(m.pow(2) + s.pow(2)) / (2 * prior_sd**2)).sum()
+        return -(expected + prior + log_s.sum())
+
+    lbfgs = torch.optim.LBFGS([m, log_s], max_iter=500, tolerance_grad=1e-12, line_search_fn="strong_wolfe")
+
+    def closure() -> torch.Tensor:
+        lbfgs.zero_grad()
+        loss = negative_elbo()
+        loss.backward()
+        return loss
+
+    lbfgs.step(closure)
+    pyro.clear_param_store()
+    guide = AutoAmortizedBranchGuide(model)
+    guide(student, question, y)
+    at_zero = {"_AutoAmortizedBranchGuide_globals_unconstrained": torch.zeros(1, dtype=torch.float64)}
+    with torch.no_grad():
+        trace = poutine.trace(poutine.condition(guide, at_zero)).get_trace(student, question, y)
+    fns = [trace.nodes[f"_AutoAmortizedBranchGuide_{n}_unconstrained"]["fn"] for n in ("students", "questions")]
+    loc = torch.cat([fn.mean.reshape(-1) for fn in fns])
+    sd = torch.cat([fn.stddev.reshape(-1) for fn in fns])
+    exact_sd = log_s.detach().exp()
+    errors = (float(((loc - m.detach()).abs() / exact_sd).max()), float((sd / exact_sd - 1).abs().max()))
+    assert max(errors) < 0.05, errors  # (the cubature rule's own error: 0.027 here; 0.27 at the other's modes)
