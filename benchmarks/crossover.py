@@ -1060,7 +1060,9 @@ def main(argv: list[str] | None = None) -> list[Run]:
         print(f"reference posterior, {problem} N={N}: {text}")
     print()
     print(speedups(runs))
-    if opts.plot:
+    if opts.plot and not runs:
+        print(f"no runs (no reference posterior: see --reference-max-groups): no plot written to {opts.plot}")
+    elif opts.plot:
         plot(runs, opts.plot, opts)
         print(f"plot written to {opts.plot}")
     if opts.out:

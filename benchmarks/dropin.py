@@ -79,6 +79,8 @@ GUIDES: dict[str, Callable] = {
     "AutoHierarchicalVM": AutoHierarchicalVM,
 }
 SAMPLERS = ("NUTS (Pyro)", "NUTS (NumPyro)")
+#: what a NumPyro user would run instead: its AutoNormal, the whole loop compiled (optional ``bench`` extra)
+PEERS = ("AutoNormal (NumPyro, jit)",)
 
 
 def radon_rows(rows: int = 100) -> Problem:
@@ -197,6 +199,18 @@ def fit_nuts_numpyro(problem_name: str, problem: Problem, seed: int, draws: int,
     return Row(*posterior_errors(samples, problem.moments), time.perf_counter() - start, time.process_time() - cpu)
 
 
+def fit_autonormal_numpyro(problem_name: str, problem: Problem, steps: int, lr: float, seed: int, draws: int) -> Row:
+    """NumPyro's jitted ``AutoNormal`` in the same loop (:func:`numpyro_models.numpyro_autonormal`), compile time
+    included."""
+    from numpyro_models import numpyro_autonormal
+
+    start, cpu = time.perf_counter(), time.process_time()
+    samples, loss = numpyro_autonormal(problem_name, problem, seed=seed, steps=steps, lr=lr, draws=draws)
+    if not math.isfinite(loss):
+        raise FloatingPointError(f"the loss is {loss} after {steps} steps")
+    return Row(*posterior_errors(samples, problem.moments), time.perf_counter() - start, time.process_time() - cpu)
+
+
 def machine() -> str:
     try:
         here = os.path.dirname(os.path.abspath(__file__))
@@ -214,7 +228,8 @@ def machine() -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--problems", nargs="+", default=list(PROBLEMS), choices=list(PROBLEMS))
-    parser.add_argument("--guides", nargs="+", default=[*GUIDES, *SAMPLERS], choices=[*GUIDES, *SAMPLERS])
+    every = [*GUIDES, *SAMPLERS, *PEERS]
+    parser.add_argument("--guides", nargs="+", default=every, choices=every)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=5000)
     parser.add_argument("--lr", type=float, default=0.01)
@@ -249,18 +264,27 @@ def main(argv: list[str] | None = None) -> None:
                     if gname in SAMPLERS and pname == "radon-rows":
                         failure = "NUTS does not subsample: radon-uniform's NUTS rows are this problem's"
                         break
+                    if gname in PEERS and pname == "radon-rows":
+                        failure = "its NumPyro twin does not draw rows at random: radon-uniform's row is this one's"
+                        break
                     if gname == "NUTS (Pyro)":
                         if not problem.moments:
                             failure = "no reference posterior to compare with"
                             break
                         rows.append(fit_nuts_pyro(problem, seed, args.draws, args.warmup))
-                    elif gname == "NUTS (NumPyro)":
+                    elif gname in ("NUTS (NumPyro)", *PEERS):
                         try:
                             import numpyro  # noqa: F401
                         except ImportError:
                             failure = "numpyro not installed (pip install -e '.[bench]')"
                             break
-                        rows.append(fit_nuts_numpyro(pname, problem, seed, args.draws, args.warmup))
+                        if not problem.moments:
+                            failure = "no NumPyro twin of this problem"
+                            break
+                        if gname == "NUTS (NumPyro)":
+                            rows.append(fit_nuts_numpyro(pname, problem, seed, args.draws, args.warmup))
+                        else:
+                            rows.append(fit_autonormal_numpyro(pname, problem, args.steps, args.lr, seed, args.draws))
                     else:
                         rows.append(fit_svi(problem, GUIDES[gname], args.steps, args.lr, seed, args.draws))
                     if args.out:

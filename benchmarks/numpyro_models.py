@@ -122,3 +122,34 @@ def numpyro_run(name: str, problem, *, seed: int, draws: int, warmup: int) -> di
         value = torch.as_tensor(np.array(samples[site]), dtype=torch.float64)
         out[site] = value.reshape((value.shape[0], *ref.mean.shape))
     return out
+
+
+def numpyro_autonormal(
+    name: str, problem, *, seed: int, steps: int, lr: float, draws: int
+) -> tuple[dict[str, torch.Tensor], float]:
+    """NumPyro's ``AutoNormal`` on the twin of ``problem`` in the drop-in loop, jitted as a NumPyro user runs it
+    (``SVI.run``: the steps in one compiled ``lax`` loop): ``ClippedAdam`` at ``lr`` decaying tenfold over ``steps``
+    (Pyro's ``lrd``; both clip each gradient element to ±10), ``Trace_ELBO`` with one particle, then ``draws`` draws of
+    ``Predictive`` (float64). Returns the draws, shaped like the Pyro sites of ``problem.moments``, and the final
+    loss."""
+    import jax
+    import jax.numpy as jnp
+
+    jax.config.update("jax_enable_x64", True)
+    from numpyro.infer import SVI, Predictive, Trace_ELBO
+    from numpyro.infer.autoguide import AutoNormal
+    from numpyro.optim import ClippedAdam
+
+    model, kwargs = _models(name, problem)
+    guide = AutoNormal(model)
+    optim = ClippedAdam(step_size=lambda i: lr * 0.1 ** (i / steps))
+    result = SVI(model, guide, optim, Trace_ELBO()).run(jax.random.PRNGKey(seed), steps, progress_bar=False, **kwargs)
+    predictive = Predictive(
+        model, guide=guide, params=result.params, num_samples=draws, return_sites=list(problem.moments)
+    )
+    samples = predictive(jax.random.PRNGKey(seed + 1), **kwargs)
+    out = {}
+    for site, ref in problem.moments.items():
+        value = torch.as_tensor(np.array(samples[site]), dtype=torch.float64)
+        out[site] = value.reshape((value.shape[0], *ref.mean.shape))
+    return out, float(jnp.asarray(result.losses)[-1])
