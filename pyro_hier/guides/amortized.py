@@ -893,7 +893,9 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         doubles, up to 64 times, and it is back at :data:`EXPANSION_EVERY` once a redo differs."""
         assert self.structure is not None and self._decoded is not None
         if torch.jit.is_tracing():  # (JitTrace_ELBO) every element's, held; the traced step selects the call's
-            self._expanded = self._at_elements(*self._traced_expansion(args, kwargs), indices, "the call")
+            made, held, at = self._traced_expansion(args, kwargs)
+            self._expanded = self._at_elements(made, held, indices, "the call")
+            self._expanded_at = at
             return
         key = (call_key(args, kwargs), torch.is_grad_enabled())
         calls_done = float(self.references.training_calls.detach()) if hasattr(self.references, "training_calls") else 0
@@ -916,6 +918,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         try:
             with keep_random_state():  # (inspection runs: init strategies draw from the prior)
                 made = self._expansions_of_call(args, kwargs, calls, refreshes, old)
+            at = self._globals_now()  # (where it was read: the draws' slopes move it from there)
         except Unobserved:  # the observations omitted (Predictive): the last call with data, at these elements
             if self._data_expansion is None:
                 raise StructureError(
@@ -923,17 +926,17 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
                     "Predictive(model, guide=guide) with obs=None) and the guide has not been called with its data "
                     "yet: call the guide (or train it) on the data first"
                 ) from None
-            made = self._at_elements(*self._data_expansion, held, "the last call that had the observations")
+            last, last_held, *read_at = self._data_expansion  # (guides pickled before 2026-11-27 hold two)
+            at = read_at[0] if read_at else None
+            made = self._at_elements(last, last_held, held, "the last call that had the observations")
         else:
-            self._data_expansion = (made, held)
+            self._data_expansion = (made, held, at)
         # it hardly moved: back off (to rounding where it moves with the globals' draw: its slopes are reread with it)
         tolerance = 0.0 if any(slopes is not None for _, _, slopes in made.values()) else EXPANSION_TOLERANCE
         if old is not None and _same_expansions(made, old, tolerance):
             every = min(2 * cached[5], EXPANSION_EVERY * 2**6)
-        at = None
-        if rows:  # (rows drawn at random: redone when the globals' q has moved, read from here)
+        if rows:  # (rows drawn at random: redone when the globals' q has moved from where it was read)
             every = ROW_EXPANSION_EVERY
-            at = self._globals_now()
         self._expansion_cache = (key, calls_done, refreshes, made, held, every, at)
         self._expanded = self._at_elements(made, held, indices, "the call")
         self._expanded_at = at
@@ -973,13 +976,14 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         stretched = (sd.log() - sd0.log()).abs().amax()
         return bool(moved <= ROW_EXPANSION_MOVE) and bool(stretched <= ROW_EXPANSION_MOVE)
 
-    def _traced_expansion(self, args: tuple, kwargs: dict) -> tuple[dict, dict]:
+    def _traced_expansion(self, args: tuple, kwargs: dict) -> tuple[dict, dict, tuple | None]:
         """Under ``torch.jit.trace`` (Pyro's JIT ELBOs): the expansions of *every* element, ``(made, held)``, from the
         model's call on all the data, made once with the tracer paused (the expansion differentiates the model, which
         a trace cannot record) and held as constants of the compiled step, which selects each call's elements by
         the traced subsample indices. A compiled loop does not redo them, as the branch guide's references are held
         under JIT; they are exact wherever the likelihood is Gaussian in the level (the expansion point does not
-        move them)."""
+        move them). Also the globals' q where they were read (:meth:`_globals_now`), from which each draw moves them
+        along their slopes."""
         tracing = torch._C._get_tracing_state()
         torch._C._set_tracing_state(None)
         try:
@@ -990,13 +994,14 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
                 full_calls[n] = PlateCall(n, full_calls[n].size, idx, False)
             with keep_random_state():
                 made = self._expansions(full_args, full_kwargs, full_calls, 0, None)
+            at = self._globals_now()
         finally:
             torch._C._set_tracing_state(tracing)
         made = {
             name: (info.detach(), natural.detach(), None if slopes is None else tuple(t.detach() for t in slopes))
             for name, (info, natural, slopes) in made.items()
         }
-        return made, {p: c.indices for p, c in full_calls.items()}
+        return made, {p: c.indices for p, c in full_calls.items()}, at
 
     def _at_elements(self, made: dict, held: dict, want: dict, source: str) -> dict:
         """Expansions ``made`` at the plates' elements ``held`` cut to the elements ``want`` (the guide's plates, or
@@ -1717,7 +1722,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         expanded = self._expanded.get(level.name)
         if expanded is not None and expanded[2] is not None:
             deltas = self._global_deviation(values[self._global_level.name])
-            if self._expanded_at is not None:  # (rows drawn at random: from the globals' mean it was read at)
+            if self._expanded_at is not None:  # from the globals' mean it was read at
                 moved = values[self._global_level.name] - self._expanded_at[0]
                 deltas = (moved, moved)
 
