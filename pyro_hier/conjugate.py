@@ -348,13 +348,17 @@ def rest_log_density(
     subsamples: dict[str, torch.Tensor] | None = None,
     observed: Iterable[str] = (),
     collapse: Callable[[poutine.Trace], tuple[set[str], torch.Tensor, float]] | None = None,
+    validate: bool = True,
 ) -> torch.Tensor:
     """The model's log density on the call ``args``, ``kwargs`` with its latent sites at ``values`` and ``own``, less
     the sites of ``own`` (differentiable in ``own``'s values): the "rest of the model" that
     :func:`element_expansion` and :func:`joint_expansion` expand. Each site's log density is weighted by its scale
     divided by ``plate_scale``; ``collapse`` and ``observed`` as in :func:`element_expansion`. The model's run is
-    hidden from the caller's handlers, its plates that Pyro subsamples at random given ``subsamples``."""
-    with poutine.block(), ReplaySubsamples(subsamples or {}):  # recorded here, hidden from the caller's handlers
+    hidden from the caller's handlers, its plates that Pyro subsamples at random given ``subsamples``.
+    ``validate=False``: without validating the distributions' arguments (a quarter of a small model's run; for a
+    guide's reads at values in their supports, whose data the model's own run checks)."""
+    checks = nullcontext() if validate else pyro.validation_enabled(False)
+    with poutine.block(), ReplaySubsamples(subsamples or {}), checks:  # (hidden from the caller's handlers)
         trace = poutine.trace(poutine.condition(model, {**values, **own})).get_trace(*args, **kwargs)
     missing = [n for n in observed if n in trace.nodes and not trace.nodes[n]["is_observed"]]
     if missing:
@@ -442,6 +446,7 @@ def levels_expansion(
     plate_scale: float,
     subsamples: dict[str, torch.Tensor] | None = None,
     directions: Sequence[tuple[Sequence[torch.Tensor | None], torch.Tensor | None]] | None = None,
+    validate: bool = True,
 ) -> tuple:
     r"""The second-order expansion of the rest of the model (:func:`rest_log_density`: all but the levels' and the
     globals' own sites) jointly in several levels' element vectors :math:`u_\ell` (``levels``: pairs ``(u_ℓ (..., d_ℓ),
@@ -458,6 +463,8 @@ def levels_expansion(
     - ``directions``: a list of products :math:`F\delta`, each ``(δ_levels, δ_v)`` with ``None`` for a zero part:
       ``(gradients, g_v, products)``, each product ``(per-level parts of Fδ, its globals' part)`` — one
       Hessian-vector product each, on the same run.
+
+    ``validate=False``: the model's run does not validate its distributions' arguments (:func:`rest_log_density`).
 
     Every output is linear in the model's log density, so sums over blocks of rows (:func:`~pyro_hier.plates.
     row_blocks`) add up. :func:`joint_expansion` is the one-level case.
@@ -479,7 +486,7 @@ def levels_expansion(
         if v is not None:
             assert to_globals is not None
             own.update(to_globals(v))
-        total = rest_log_density(model, args, kwargs, values, own, plate_scale, subsamples)
+        total = rest_log_density(model, args, kwargs, values, own, plate_scale, subsamples, validate=validate)
         inputs = [*us, *([] if v is None else [v])]
         if total.requires_grad:
             grads = torch.autograd.grad(total, inputs, create_graph=True, allow_unused=True)

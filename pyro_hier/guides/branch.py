@@ -99,6 +99,9 @@ SMOOTHED_FIRST_STEPS = 1
 TAIL_FRACTION = 0.25
 #: per training call, the factor by which the control variate's secant sums of the shared curvature forget
 SECANT_DECAY = 0.9
+#: the references read only in calls the guide runs in Python (never by a compiled step): the rows' control variate's
+#: (keys holding the first), the visits and back-offs that date the references (keys ending with the others)
+_EAGER_STATE = ("__rows_", "__visits", "__backoff")
 #: numbers of the levels' per-draw conditional covariances that :meth:`AutoBranchGuide.level_moments` holds at once
 #: (summed over the draws taken together): beyond, its draws are taken in chunks
 SUMMARY_NUMBERS = 2**24
@@ -635,15 +638,22 @@ class AutoBranchGuide(HierarchicalGuide):
         the parameters are not replaced during a call, and in-place writes go to the same tensor). In a call without
         gradients (``Predictive``'s) the store's tensor is taken as it is when the module holds it already
         (:func:`~pyro_hier.guides.base.stored_param`): nothing optimises what such a call reads. (A training call
-        reads every parameter through Pyro, also where it first reads one without gradients, as the references' redo
-        does: ``SVI`` steps what the call's trace records.)"""
+        reads every optimised parameter through Pyro, also where it first reads one without gradients, as the
+        references' redo does: ``SVI`` steps what the call's trace records.) The references that only calls run in
+        Python read (:data:`_EAGER_STATE`: the rows' expansion, the visits and back-offs that date the references) are
+        read as the store's tensor in every call, so that a training call does not record them for the optimiser
+        either (16 ``pyro.param`` statements a training call of a crossed model whose rows are drawn at random, each
+        through every handler, and as many parameters for ``SVI``'s optimiser to skip). The others a compiled step
+        reads, so Pyro's first, untraced call of a JIT ELBO must record them as the trace's inputs."""
         cache = self._call_cache
         if cache is None:
             return getattr(params, key)
         entry = (id(params), key)
         value = cache.get(entry)
         if value is None:
-            value = cache[entry] = stored_param(params, key) if self._call_untraced else getattr(params, key)
+            eager = params is self.references and (_EAGER_STATE[0] in key or key.endswith(_EAGER_STATE[1:]))
+            stored = self._call_untraced or (eager and not torch.jit.is_tracing())
+            value = cache[entry] = stored_param(params, key) if stored else getattr(params, key)
         return value
 
     def _training(self) -> bool:
@@ -1496,7 +1506,9 @@ class AutoBranchGuide(HierarchicalGuide):
         total = None
         for block in blocks:
             model = self.model if block is None else block(self.model)
-            part = levels_expansion(model, args, kwargs, at, specs, v, to_globals, 1.0, given, directions)
+            part = levels_expansion(
+                model, args, kwargs, at, specs, v, to_globals, 1.0, given, directions, validate=False
+            )
             total = part if total is None else _tree_add(total, part)
         return total
 
@@ -1732,18 +1744,43 @@ class AutoBranchGuide(HierarchicalGuide):
         """q of a level's elements on this call, given the ancestors' draws (``values`` unconstrained by level,
         ``result`` constrained by site); built outside the plates. A hook: the amortized guide's conjugate levels."""
         if level.name in self.conjugate_levels:  # the prior conditional at the ancestors' draws, from the model
-            fns, _ = capture_priors(
-                self.reading_model,
-                args,
-                kwargs,
-                dict(result),
-                level.sites,
-                plate_indices(plates),
-                validate=False,
-                init=self.site_init,
-            )
+            fns = self._call_priors(level, args, kwargs, result, plates)
             return self._conjugate_distribution(level, self._level_prior(level, fns), values, plates)
         return self._level_distribution(level, values, plates)  # parameters read (and cut) outside the plates
+
+    def _call_priors(self, level: PlateLevel, args: tuple, kwargs: dict, result: dict, plates: dict) -> dict:
+        """The prior conditionals (``{site: distribution}``) of a conjugate level's sites at the draws of this call
+        (``result``, constrained by site), read from one run of the model up to them. That run also reads the later
+        conjugate levels whose parents are all drawn already (crossed levels under the globals: students and questions
+        of an item-response model), kept for the rest of the call (a run of the model saved per such level)."""
+        cache = self._call_cache
+        held = None if cache is None else cache.get(("priors",))
+        if held is not None and all(site in held for site in level.sites):
+            return held
+        assert self.structure is not None
+        wanted = list(level.sites)
+        try:
+            parents = self.structure.parents
+        except StructureError:  # (the dependencies cannot be traced: this level's alone)
+            parents = None
+        if parents is not None:
+            drawn = set(result)
+            for other in self.levels[self.levels.index(level) + 1 :]:
+                if other.name in self.conjugate_levels and all(set(parents.get(s, ())) <= drawn for s in other.sites):
+                    wanted += other.sites
+        fns, _ = capture_priors(
+            self.reading_model,
+            args,
+            kwargs,
+            dict(result),
+            wanted,
+            plate_indices(plates),
+            validate=False,
+            init=self.site_init,
+        )
+        if cache is not None:
+            cache[("priors",)] = fns
+        return fns
 
     @property
     def _call_reading_levels(self) -> tuple[str, ...]:
