@@ -1106,9 +1106,14 @@ class AutoBranchGuide(HierarchicalGuide):
     def _global_deviation(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The globals' draw ``u (..., d_g)`` less q's mean: with the mean live (the family's: ``u - mean`` is the
         globals' scaled base noise) and detached (the scorer of sticking the landing, whose density must not depend on
-        the variational parameters)."""
+        the variational parameters). The mean is read once a call."""
         assert self._global_level is not None
-        loc = self._level_params(self._global_level, None)[0]
+        cache = self._call_cache
+        loc = None if cache is None else cache.get(("global_loc",))
+        if loc is None:
+            loc = self._level_params(self._global_level, None)[0]
+            if cache is not None:
+                cache[("global_loc",)] = loc
         return u - loc, u - loc.detach()
 
     def _gathered_data(self, structure: ModelStructure) -> list[tuple[str, str]]:
