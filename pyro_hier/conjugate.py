@@ -63,6 +63,7 @@ import pyro.distributions as dist
 import torch
 from pyro import poutine
 from pyro.infer.autoguide.initialization import InitMessenger
+from pyro.poutine.messenger import Messenger
 from pyro.poutine.subsample_messenger import _Subsample
 from torch.distributions import biject_to, constraints
 
@@ -358,12 +359,17 @@ def rest_log_density(
     ``validate=False``: without validating the distributions' arguments (a quarter of a small model's run; for a
     guide's reads at values in their supports, whose data the model's own run checks)."""
     checks = nullcontext() if validate else pyro.validation_enabled(False)
+    total = next(iter(own.values())).new_zeros(()) if own else torch.zeros(())
+    if collapse is None and not observed:  # (no trace needed: the log densities summed as the model runs)
+        summed = _RestLogDensity({**values, **own}, own, plate_scale)
+        with poutine.block(), ReplaySubsamples(subsamples or {}), checks, summed:
+            model(*args, **kwargs)
+        return sum(summed.terms, total)
     with poutine.block(), ReplaySubsamples(subsamples or {}), checks:  # (hidden from the caller's handlers)
         trace = poutine.trace(poutine.condition(model, {**values, **own})).get_trace(*args, **kwargs)
     missing = [n for n in observed if n in trace.nodes and not trace.nodes[n]["is_observed"]]
     if missing:
         raise Unobserved(f"the observed site(s) {missing} are not observed in this call")
-    total = next(iter(own.values())).new_zeros(()) if own else torch.zeros(())
     covered: set[str] = set()
     if collapse is not None:
         covered, log_z, scale = collapse(trace)
@@ -376,6 +382,29 @@ def rest_log_density(
             log_p = log_p * site["mask"]
         total = total + (log_p * (site["scale"] / plate_scale)).sum()
     return total
+
+
+class _RestLogDensity(Messenger):
+    """:func:`rest_log_density` without a trace: conditions the model on ``values`` (as ``poutine.condition``) and
+    collects each sample site's weighted log density but those of ``own`` and of the plates, in the model's order
+    (the same sum as the trace's), at each site's final scale and mask."""
+
+    def __init__(self, values: dict[str, torch.Tensor], own: dict[str, torch.Tensor], plate_scale: float) -> None:
+        super().__init__()
+        self.values, self.own, self.plate_scale = values, own, plate_scale
+        self.terms: list[torch.Tensor] = []
+
+    def _pyro_sample(self, msg) -> None:
+        if msg["name"] in self.values and not isinstance(msg["fn"], _Subsample):
+            msg["value"], msg["is_observed"] = self.values[msg["name"]], True
+
+    def _pyro_post_sample(self, msg) -> None:
+        if msg["name"] in self.own or isinstance(msg["fn"], _Subsample):
+            return
+        log_p = msg["fn"].log_prob(msg["value"])
+        if msg["mask"] is not None and msg["mask"] is not True:
+            log_p = log_p * msg["mask"]
+        self.terms.append((log_p * (msg["scale"] / self.plate_scale)).sum())
 
 
 def joint_expansion(
