@@ -14,7 +14,9 @@ import torch
 from pyro import poutine
 from pyro.infer.autoguide.initialization import init_to_feasible
 from pyro.nn import PyroModule, PyroParam
-from pyro.poutine.runtime import am_i_wrapped
+from pyro.poutine.block_messenger import BlockMessenger
+from pyro.poutine.runtime import _PYRO_STACK, am_i_wrapped
+from pyro.poutine.trace_messenger import TraceMessenger
 from torch.distributions import biject_to, constraints
 
 from pyro_hier.conjugate import (
@@ -99,9 +101,6 @@ SMOOTHED_FIRST_STEPS = 1
 TAIL_FRACTION = 0.25
 #: per training call, the factor by which the control variate's secant sums of the shared curvature forget
 SECANT_DECAY = 0.9
-#: the references read only in calls the guide runs in Python (never by a compiled step): the rows' control variate's
-#: (keys holding the first), the visits and back-offs that date the references (keys ending with the others)
-_EAGER_STATE = ("__rows_", "__visits", "__backoff")
 #: numbers of the levels' per-draw conditional covariances that :meth:`AutoBranchGuide.level_moments` holds at once
 #: (summed over the draws taken together): beyond, its draws are taken in chunks
 SUMMARY_NUMBERS = 2**24
@@ -630,6 +629,8 @@ class AutoBranchGuide(HierarchicalGuide):
     _call_cache: dict | None = None
     #: during a call of the guide: the call has no gradients and is not traced by ``torch.jit`` (see :meth:`_param`)
     _call_untraced: bool = False
+    #: during a call of the guide: neither traced by ``torch.jit`` nor Pyro's first call of a compiled function
+    _call_eager: bool = False
 
     def _param(self, params: PyroModule, key: str) -> torch.Tensor:
         """``params.<key>``, read through Pyro (``pyro.param``: the param store's tensor, recorded by the handlers) on
@@ -639,20 +640,19 @@ class AutoBranchGuide(HierarchicalGuide):
         gradients (``Predictive``'s) the store's tensor is taken as it is when the module holds it already
         (:func:`~pyro_hier.guides.base.stored_param`): nothing optimises what such a call reads. (A training call
         reads every optimised parameter through Pyro, also where it first reads one without gradients, as the
-        references' redo does: ``SVI`` steps what the call's trace records.) The references that only calls run in
-        Python read (:data:`_EAGER_STATE`: the rows' expansion, the visits and back-offs that date the references) are
-        read as the store's tensor in every call, so that a training call does not record them for the optimiser
-        either (16 ``pyro.param`` statements a training call of a crossed model whose rows are drawn at random, each
-        through every handler, and as many parameters for ``SVI``'s optimiser to skip). The others a compiled step
-        reads, so Pyro's first, untraced call of a JIT ELBO must record them as the trace's inputs."""
+        references' redo does: ``SVI`` steps what the call's trace records.) The references, state that no gradient
+        reaches, are read as the store's tensor in training calls too (26 ``pyro.param`` statements a training call of
+        a crossed model whose rows are drawn at random, each through every handler, and as many parameters for
+        ``SVI``'s optimiser to skip), except in Pyro's first, untraced call of a compiled (JIT) function
+        (:func:`_jit_param_capture`), which records the parameters its trace will take as inputs, and in the traced
+        call."""
         cache = self._call_cache
         if cache is None:
             return getattr(params, key)
         entry = (id(params), key)
         value = cache.get(entry)
         if value is None:
-            eager = params is self.references and (_EAGER_STATE[0] in key or key.endswith(_EAGER_STATE[1:]))
-            stored = self._call_untraced or (eager and not torch.jit.is_tracing())
+            stored = self._call_untraced or (params is self.references and self._call_eager)
             value = cache[entry] = stored_param(params, key) if stored else getattr(params, key)
         return value
 
@@ -1307,8 +1307,10 @@ class AutoBranchGuide(HierarchicalGuide):
         values: dict[str, torch.Tensor] = {}
         result: dict[str, torch.Tensor] = {}
         outer, outer_cache, outer_untraced = self._gathers, self._call_cache, self._call_untraced
+        outer_eager = self._call_eager
         self._call_cache = {}
         self._call_untraced = not torch.is_grad_enabled() and not torch.jit.is_tracing()
+        self._call_eager = not torch.jit.is_tracing() and not _jit_param_capture()
         try:
             if self._gathers is None:  # (the amortized guide has found this call's already)
                 self._gathers = self._call_gathers(args, kwargs, plates)
@@ -1326,6 +1328,7 @@ class AutoBranchGuide(HierarchicalGuide):
             return self._sample_levels(args, kwargs, plates, values, result, training)
         finally:
             self._gathers, self._call_cache, self._call_untraced = outer, outer_cache, outer_untraced
+            self._call_eager = outer_eager
 
     def _sample_levels(
         self, args: tuple, kwargs: dict, plates: dict, values: dict, result: dict, training: bool
@@ -2282,6 +2285,20 @@ def _reference_change(old: tuple, new: tuple, diagonal: bool) -> torch.Tensor:
 
     shape = torch.broadcast_shapes(shift.shape, relative(prec0, prec1).shape, relative(root0, root1).shape)
     return torch.stack([t.expand(shape) for t in (shift, relative(prec0, prec1), relative(root0, root1))]).amax(0)
+
+
+def _jit_param_capture() -> bool:
+    """Whether this runs inside Pyro's first, untraced call of a compiled function (``pyro.ops.jit.trace``, behind
+    every ``Jit*_ELBO``), which records the parameters that its ``torch.jit`` trace will take as inputs: a param-only
+    trace inside a ``poutine.block`` on Pyro's handler stack. (A training loop under a block of the user's own reads
+    as if compiled: the same values, through Pyro.)"""
+    blocked = False
+    for frame in _PYRO_STACK:  # (outermost first)
+        if isinstance(frame, BlockMessenger):
+            blocked = True
+        elif blocked and isinstance(frame, TraceMessenger) and frame.param_only:
+            return True
+    return False
 
 
 def _tree_add(a, b):
