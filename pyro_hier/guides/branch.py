@@ -170,9 +170,10 @@ class AutoBranchGuide(HierarchicalGuide):
     :func:`pyro_hier.plates.row_blocks`), and the levels are set by them, not by the optimiser (:meth:`_set_by_steps`:
     where the likelihood is Gaussian in the level the reference is its exact pseudo-observation, elsewhere a smoothed
     step), redone less often while they hardly move; the ELBO's gradient carries the rows' control variate
-    (:meth:`_row_variate_term`: their second-order expansion in the level and the globals, read from every row at the
-    reference, less the same from the call's rows). Radon-rows, seed 0: 0.43 with the levels so set, 0.17 with the
-    variate as well.
+    (:meth:`_row_variate_term`: their second-order expansion in every such level and the globals, read from every row
+    at one reference point, less the same from the call's rows, read by one run of the model a call however many
+    levels the rows gather: crossed students and questions alike). Radon-rows, seed 0: 0.43 with the levels so set,
+    0.17 with the variate as well.
 
     Sds (diagonals of Cholesky factors) are :math:`e^r` of free parameters (:func:`pyro_hier.transforms.positive`):
     an Adam step changes :math:`\log s` by about the learning rate, so a posterior sd ten times larger or smaller
