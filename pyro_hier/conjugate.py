@@ -54,7 +54,7 @@ so the fixed points are those of the exact gradient.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -63,6 +63,7 @@ import pyro.distributions as dist
 import torch
 from pyro import poutine
 from pyro.infer.autoguide.initialization import InitMessenger
+from pyro.poutine.messenger import Messenger
 from pyro.poutine.subsample_messenger import _Subsample
 from torch.distributions import biject_to, constraints
 
@@ -81,6 +82,7 @@ __all__ = [
     "gaussian_prior",
     "gaussian_update",
     "joint_expansion",
+    "levels_expansion",
     "line_searched_mean",
     "newton_mean",
     "newton_step",
@@ -347,18 +349,27 @@ def rest_log_density(
     subsamples: dict[str, torch.Tensor] | None = None,
     observed: Iterable[str] = (),
     collapse: Callable[[poutine.Trace], tuple[set[str], torch.Tensor, float]] | None = None,
+    validate: bool = True,
 ) -> torch.Tensor:
     """The model's log density on the call ``args``, ``kwargs`` with its latent sites at ``values`` and ``own``, less
     the sites of ``own`` (differentiable in ``own``'s values): the "rest of the model" that
     :func:`element_expansion` and :func:`joint_expansion` expand. Each site's log density is weighted by its scale
     divided by ``plate_scale``; ``collapse`` and ``observed`` as in :func:`element_expansion`. The model's run is
-    hidden from the caller's handlers, its plates that Pyro subsamples at random given ``subsamples``."""
-    with poutine.block(), ReplaySubsamples(subsamples or {}):  # recorded here, hidden from the caller's handlers
+    hidden from the caller's handlers, its plates that Pyro subsamples at random given ``subsamples``.
+    ``validate=False``: without validating the distributions' arguments (a quarter of a small model's run; for a
+    guide's reads at values in their supports, whose data the model's own run checks)."""
+    checks = nullcontext() if validate else pyro.validation_enabled(False)
+    total = next(iter(own.values())).new_zeros(()) if own else torch.zeros(())
+    if collapse is None and not observed:  # (no trace needed: the log densities summed as the model runs)
+        summed = _RestLogDensity({**values, **own}, own, plate_scale)
+        with poutine.block(), ReplaySubsamples(subsamples or {}), checks, summed:
+            model(*args, **kwargs)
+        return sum(summed.terms, total)
+    with poutine.block(), ReplaySubsamples(subsamples or {}), checks:  # (hidden from the caller's handlers)
         trace = poutine.trace(poutine.condition(model, {**values, **own})).get_trace(*args, **kwargs)
     missing = [n for n in observed if n in trace.nodes and not trace.nodes[n]["is_observed"]]
     if missing:
         raise Unobserved(f"the observed site(s) {missing} are not observed in this call")
-    total = next(iter(own.values())).new_zeros(()) if own else torch.zeros(())
     covered: set[str] = set()
     if collapse is not None:
         covered, log_z, scale = collapse(trace)
@@ -371,6 +382,29 @@ def rest_log_density(
             log_p = log_p * site["mask"]
         total = total + (log_p * (site["scale"] / plate_scale)).sum()
     return total
+
+
+class _RestLogDensity(Messenger):
+    """:func:`rest_log_density` without a trace: conditions the model on ``values`` (as ``poutine.condition``) and
+    collects each sample site's weighted log density but those of ``own`` and of the plates, in the model's order
+    (the same sum as the trace's), at each site's final scale and mask."""
+
+    def __init__(self, values: dict[str, torch.Tensor], own: dict[str, torch.Tensor], plate_scale: float) -> None:
+        super().__init__()
+        self.values, self.own, self.plate_scale = values, own, plate_scale
+        self.terms: list[torch.Tensor] = []
+
+    def _pyro_sample(self, msg) -> None:
+        if msg["name"] in self.values and not isinstance(msg["fn"], _Subsample):
+            msg["value"], msg["is_observed"] = self.values[msg["name"]], True
+
+    def _pyro_post_sample(self, msg) -> None:
+        if msg["name"] in self.own or isinstance(msg["fn"], _Subsample):
+            return
+        log_p = msg["fn"].log_prob(msg["value"])
+        if msg["mask"] is not None and msg["mask"] is not True:
+            log_p = log_p * msg["mask"]
+        self.terms.append((log_p * (msg["scale"] / self.plate_scale)).sum())
 
 
 def joint_expansion(
@@ -409,40 +443,123 @@ def joint_expansion(
 
     Reference: R. Johnson, T. Zhang, *Accelerating Stochastic Gradient Descent using Predictive Variance Reduction*,
     NeurIPS 2013 (the control variate this expansion serves)."""
+    if direction is not None:
+        gradients, g_v, products = levels_expansion(
+            model,
+            args,
+            kwargs,
+            values,
+            [(level_u, to_values)],
+            globals_v,
+            to_globals,
+            plate_scale,
+            subsamples,
+            directions=[((direction[0],), direction[1])],
+        )
+        (product_u,), product_v = products[0]
+        return gradients[0], g_v, product_u, product_v
+    gradients, curvatures, g_v, f_vv, crosses = levels_expansion(
+        model, args, kwargs, values, [(level_u, to_values)], globals_v, to_globals, plate_scale, subsamples
+    )
+    return gradients[0], curvatures[0], g_v, f_vv, crosses[0]
+
+
+def levels_expansion(
+    model: Callable,
+    args: tuple,
+    kwargs: dict,
+    values: dict[str, torch.Tensor],
+    levels: Sequence[tuple[torch.Tensor, Callable[[torch.Tensor], dict[str, torch.Tensor]]]],
+    globals_v: torch.Tensor | None,
+    to_globals: Callable[[torch.Tensor], dict[str, torch.Tensor]] | None,
+    plate_scale: float,
+    subsamples: dict[str, torch.Tensor] | None = None,
+    directions: Sequence[tuple[Sequence[torch.Tensor | None], torch.Tensor | None]] | None = None,
+    validate: bool = True,
+) -> tuple:
+    r"""The second-order expansion of the rest of the model (:func:`rest_log_density`: all but the levels' and the
+    globals' own sites) jointly in several levels' element vectors :math:`u_\ell` (``levels``: pairs ``(u_ℓ (..., d_ℓ),
+    to_values_ℓ)``) and the globals ``globals_v (d_v,)`` (``None``: none), from *one* run of the model. With :math:`H`
+    its Hessian in :math:`(u_1, \dots, u_k, v)` and :math:`F = -H`:
+
+    - ``directions=None``: ``(gradients, curvatures, g_v, F_vv, crosses)``: per level :math:`g_\ell` ``(..., d_ℓ)``
+      and the blocks :math:`F_{\ell\ell,i}` ``(..., d_ℓ, d_ℓ)`` per element (``d_ℓ`` Hessian-vector products with
+      every element's coordinate at once: the blocks where each row of the likelihood reads at most one element of the
+      level, as :func:`element_expansion`), and from ``d_v`` products (exact whatever the plate structure)
+      :math:`g_v` ``(d_v,)``, :math:`F_{vv}` ``(d_v, d_v)`` and per level :math:`F_{\ell v}` ``(..., d_ℓ, d_v)``
+      (``None`` for the three without globals). The blocks between two levels (:math:`F_{\ell m}`, dense for crossed
+      levels) are not read;
+    - ``directions``: a list of products :math:`F\delta`, each ``(δ_levels, δ_v)`` with ``None`` for a zero part:
+      ``(gradients, g_v, products)``, each product ``(per-level parts of Fδ, its globals' part)`` — one
+      Hessian-vector product each, on the same run.
+
+    ``validate=False``: the model's run does not validate its distributions' arguments (:func:`rest_log_density`).
+
+    Every output is linear in the model's log density, so sums over blocks of rows (:func:`~pyro_hier.plates.
+    row_blocks`) add up. :func:`joint_expansion` is the one-level case.
+
+    Example (the crossed students and questions of an item-response model and its globals, as
+    :class:`~pyro_hier.AutoBranchGuide`'s rows' control variate reads them on a call's rows, one product per level)::
+
+        (g_a, g_b), g_v, ((fa, _), fv_a), ((_, fb), fv_b) = levels_expansion(
+            model, args, kwargs, values, [(a_ref, to_ability), (b_ref, to_difficulty)], theta_ref, to_globals, 1.0,
+            directions=[((da, None), dv), ((None, db), None)],
+        )
+    """
     with torch.enable_grad():
-        u = level_u.detach().clone().requires_grad_(True)
-        v = globals_v.detach().clone().requires_grad_(True)
-        total = rest_log_density(
-            model, args, kwargs, values, {**to_values(u), **to_globals(v)}, plate_scale, subsamples
-        )
-        if not total.requires_grad:  # nothing in the model reads them
-            zero_u, zero_v = torch.zeros_like(u), torch.zeros_like(v)
-            if direction is not None:
-                return zero_u, zero_v, zero_u, zero_v
-            d, d_v = u.shape[-1], v.shape[-1]
-            return zero_u, u.new_zeros((*u.shape, d)), zero_v, v.new_zeros((d_v, d_v)), u.new_zeros((*u.shape, d_v))
-        grad_u, grad_v = (
-            torch.zeros_like(x) if g is None else g
-            for x, g in zip((u, v), torch.autograd.grad(total, (u, v), create_graph=True, allow_unused=True))
-        )
+        us = [u.detach().clone().requires_grad_(True) for u, _ in levels]
+        v = None if globals_v is None else globals_v.detach().clone().requires_grad_(True)
+        own: dict[str, torch.Tensor] = {}
+        for u, (_, to_values) in zip(us, levels, strict=True):
+            own.update(to_values(u))
+        if v is not None:
+            assert to_globals is not None
+            own.update(to_globals(v))
+        total = rest_log_density(model, args, kwargs, values, own, plate_scale, subsamples, validate=validate)
+        inputs = [*us, *([] if v is None else [v])]
+        if total.requires_grad:
+            grads = torch.autograd.grad(total, inputs, create_graph=True, allow_unused=True)
+            grads = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, grads, strict=True)]
+        else:  # nothing in the model reads them
+            grads = [torch.zeros_like(x) for x in inputs]
 
-        def product(du: torch.Tensor, dv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            inner = (grad_u * du).sum() + (grad_v * dv).sum()
-            if not inner.requires_grad:  # (read only linearly)
-                return torch.zeros_like(u), torch.zeros_like(v)
-            cols = torch.autograd.grad(inner, (u, v), retain_graph=True, allow_unused=True)
-            return tuple(torch.zeros_like(x) if c is None else -c.detach() for x, c in zip((u, v), cols))
+        def product(parts: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+            pairs = zip(grads, parts, strict=True)
+            inner = sum(((g * p).sum() for g, p in pairs if p is not None), total.new_zeros(()))
+            if not inner.requires_grad:  # (read only linearly, or not at all)
+                return [torch.zeros_like(x) for x in inputs]
+            cols = torch.autograd.grad(inner, inputs, retain_graph=True, allow_unused=True)
+            return [torch.zeros_like(x) if c is None else -c.detach() for x, c in zip(inputs, cols, strict=True)]
 
-        if direction is not None:
-            return (grad_u.detach(), grad_v.detach(), *product(*direction))
-        d, d_v = u.shape[-1], v.shape[-1]
-        eye_u = torch.eye(d, dtype=u.dtype, device=u.device)
-        eye_v = torch.eye(d_v, dtype=v.dtype, device=v.device)
-        f_uu = torch.stack([product(eye_u[k].expand_as(u), torch.zeros_like(v))[0] for k in range(d)], -1)
-        by_v = [product(torch.zeros_like(u), eye_v[k]) for k in range(d_v)]
-        f_vv = torch.stack([col[1] for col in by_v], -1)
-        f_uv = torch.stack([col[0] for col in by_v], -1)
-    return grad_u.detach(), f_uu, grad_v.detach(), f_vv, f_uv
+        k = len(us)
+        gradients = tuple(g.detach() for g in grads[:k])
+        g_v = None if v is None else grads[k].detach()
+        if directions is not None:
+            products = []
+            for levels_part, v_part in directions:
+                out = product([*levels_part, *([] if v is None else [v_part])])
+                products.append((tuple(out[:k]), None if v is None else out[k]))
+            return gradients, g_v, tuple(products)
+        curvatures = []
+        for index, u in enumerate(us):
+            eye = torch.eye(u.shape[-1], dtype=u.dtype, device=u.device)
+            columns = []
+            for j in range(u.shape[-1]):
+                parts: list[torch.Tensor | None] = [None] * len(inputs)
+                parts[index] = eye[j].expand_as(u)
+                columns.append(product(parts)[index])
+            curvatures.append(torch.stack(columns, -1))
+        if v is None:
+            return gradients, tuple(curvatures), None, None, None
+        eye_v = torch.eye(v.shape[-1], dtype=v.dtype, device=v.device)
+        by_v = []
+        for j in range(v.shape[-1]):
+            parts = [None] * len(inputs)
+            parts[k] = eye_v[j]
+            by_v.append(product(parts))
+        f_vv = torch.stack([col[k] for col in by_v], -1)
+        crosses = tuple(torch.stack([col[index] for col in by_v], -1) for index in range(k))
+    return gradients, tuple(curvatures), g_v, f_vv, crosses
 
 
 class Unobserved(LookupError):

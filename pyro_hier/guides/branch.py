@@ -14,7 +14,9 @@ import torch
 from pyro import poutine
 from pyro.infer.autoguide.initialization import init_to_feasible
 from pyro.nn import PyroModule, PyroParam
-from pyro.poutine.runtime import am_i_wrapped
+from pyro.poutine.block_messenger import BlockMessenger
+from pyro.poutine.runtime import _PYRO_STACK, am_i_wrapped
+from pyro.poutine.trace_messenger import TraceMessenger
 from torch.distributions import biject_to, constraints
 
 from pyro_hier.conjugate import (
@@ -26,6 +28,7 @@ from pyro_hier.conjugate import (
     element_expansion,
     gaussian_prior,
     joint_expansion,
+    levels_expansion,
     line_searched_mean,
     newton_mean,
     psd_root,
@@ -167,9 +170,10 @@ class AutoBranchGuide(HierarchicalGuide):
     :func:`pyro_hier.plates.row_blocks`), and the levels are set by them, not by the optimiser (:meth:`_set_by_steps`:
     where the likelihood is Gaussian in the level the reference is its exact pseudo-observation, elsewhere a smoothed
     step), redone less often while they hardly move; the ELBO's gradient carries the rows' control variate
-    (:meth:`_row_variate_term`: their second-order expansion in the level and the globals, read from every row at the
-    reference, less the same from the call's rows). Radon-rows, seed 0: 0.43 with the levels so set, 0.17 with the
-    variate as well.
+    (:meth:`_row_variate_term`: their second-order expansion in every such level and the globals, read from every row
+    at one reference point, less the same from the call's rows, read by one run of the model a call however many
+    levels the rows gather: crossed students and questions alike). Radon-rows, seed 0: 0.43 with the levels so set,
+    0.17 with the variate as well.
 
     Sds (diagonals of Cholesky factors) are :math:`e^r` of free parameters (:func:`pyro_hier.transforms.positive`):
     an Adam step changes :math:`\log s` by about the learning rate, so a posterior sd ten times larger or smaller
@@ -463,19 +467,21 @@ class AutoBranchGuide(HierarchicalGuide):
             state["cv_gradient"] = init.new_zeros((*level.batch_shape, d_g))
             state["cv_point"] = init.new_zeros((*level.batch_shape, d_g))
             state["cv_secant"] = init.new_zeros((2, d_g, d_g))
-        if level.name in self._row_levels:  # the rows' expansion at the last reference (_row_variate_term)
+        if level.name in self._row_levels:  # the rows' expansion at the last reference point (_rows_reference)
             state["rows_gradient"] = init.new_zeros((*level.batch_shape, d))
             state["rows_curvature"] = init.new_zeros((*level.batch_shape, d, d))
             state["rows_centre"] = init.new_zeros((*level.batch_shape, d))
             state["rows_ready"] = init.new_zeros(())
-            for other in self.levels:
-                if other is not level:
-                    state[f"rows_at__{other.name}"] = init.new_zeros((*other.batch_shape, other.numel))
-            if self._global_level is not None and level.name == self._first_row_level():
-                state["rows_global_gradient"] = init.new_zeros((self._global_level.numel,))
+            if self._global_level is not None:
                 d_g = self._global_level.numel
-                state["rows_global_curvature"] = init.new_zeros((d_g, d_g))
                 state["rows_cross_curvature"] = init.new_zeros((*level.batch_shape, d, d_g))
+            if level.name == self._first_row_level():  # (the point's other levels, and the globals' expansion)
+                for other in self.levels:
+                    if other.name not in self._row_levels:
+                        state[f"rows_at__{other.name}"] = init.new_zeros((*other.batch_shape, other.numel))
+                if self._global_level is not None:
+                    state["rows_global_gradient"] = init.new_zeros((d_g,))
+                    state["rows_global_curvature"] = init.new_zeros((d_g, d_g))
         if not self._conjugate_diagonal(level):
             state["precision"] = init.new_zeros((*level.batch_shape, d, d))
             state["fisher_sd"] = torch.eye(d, dtype=init.dtype, device=init.device).expand((*level.batch_shape, d, d))
@@ -521,13 +527,7 @@ class AutoBranchGuide(HierarchicalGuide):
         :func:`~pyro_hier.conjugate.joint_expansion` (with the globals), which it runs instead. Plates of rows Pyro drew
         at random (``rows``, by default those of this call's plates: :meth:`drawn_rows`) are read in full, block by
         block."""
-        assert self.structure is not None
-        if rows is None:
-            drawn = getattr(self, "drawn_plates", ())
-            sizes = {n: self.structure.plates[n].size for n in subsamples if n in self.structure.plates}
-            rows = self.drawn_rows({n: PlateCall(n, sizes[n], subsamples[n], n not in drawn) for n in sizes})
-        blocks = row_blocks(rows, device=next(iter(subsamples.values())).device) if rows else [None]
-        given = {n: i for n, i in subsamples.items() if n not in rows}
+        blocks, given = self._row_blocks(subsamples, rows)
 
         def expand(
             at: dict, u: torch.Tensor | None = None, curvature: bool = True, joint: dict | None = None
@@ -630,6 +630,8 @@ class AutoBranchGuide(HierarchicalGuide):
     _call_cache: dict | None = None
     #: during a call of the guide: the call has no gradients and is not traced by ``torch.jit`` (see :meth:`_param`)
     _call_untraced: bool = False
+    #: during a call of the guide: neither traced by ``torch.jit`` nor Pyro's first call of a compiled function
+    _call_eager: bool = False
 
     def _param(self, params: PyroModule, key: str) -> torch.Tensor:
         """``params.<key>``, read through Pyro (``pyro.param``: the param store's tensor, recorded by the handlers) on
@@ -638,15 +640,21 @@ class AutoBranchGuide(HierarchicalGuide):
         the parameters are not replaced during a call, and in-place writes go to the same tensor). In a call without
         gradients (``Predictive``'s) the store's tensor is taken as it is when the module holds it already
         (:func:`~pyro_hier.guides.base.stored_param`): nothing optimises what such a call reads. (A training call
-        reads every parameter through Pyro, also where it first reads one without gradients, as the references' redo
-        does: ``SVI`` steps what the call's trace records.)"""
+        reads every optimised parameter through Pyro, also where it first reads one without gradients, as the
+        references' redo does: ``SVI`` steps what the call's trace records.) The references, state that no gradient
+        reaches, are read as the store's tensor in training calls too (26 ``pyro.param`` statements a training call of
+        a crossed model whose rows are drawn at random, each through every handler, and as many parameters for
+        ``SVI``'s optimiser to skip), except in Pyro's first, untraced call of a compiled (JIT) function
+        (:func:`_jit_param_capture`), which records the parameters its trace will take as inputs, and in the traced
+        call."""
         cache = self._call_cache
         if cache is None:
             return getattr(params, key)
         entry = (id(params), key)
         value = cache.get(entry)
         if value is None:
-            value = cache[entry] = stored_param(params, key) if self._call_untraced else getattr(params, key)
+            stored = self._call_untraced or (params is self.references and self._call_eager)
+            value = cache[entry] = stored_param(params, key) if stored else getattr(params, key)
         return value
 
     def _training(self) -> bool:
@@ -700,12 +708,7 @@ class AutoBranchGuide(HierarchicalGuide):
             floor = CURVATURE_FLOOR * p0
 
             expand = self._level_expander(args, kwargs, level, centres, scale, subsamples)
-            rows = level.name in self._row_levels and self._rows_read_in_full(plates)  # (for _row_variate_term)
-            if rows:  # the rows' expansion, jointly with the globals': the level's is its first part
-                rows_parts = self._rows_reference(level, plates, centres, expand)
-                gradient, curvature = rows_parts[:2]
-            else:
-                gradient, curvature = expand(values)
+            gradient, curvature = expand(values)
             moved_curvature = lambda at=values, u=centres[level.name], f=expand: f(at, u + 1.0)[1]  # noqa: E731
             nodes = self._slope_nodes(level, curvature, moved_curvature)
             had = self._reference(level, "visits", plates, 0) >= 0
@@ -729,10 +732,6 @@ class AutoBranchGuide(HierarchicalGuide):
                 centres[level.name] = torch.where(fresh, mode, centres[level.name])
                 gradient = torch.where(fresh, mode_gradient, gradient)
                 curvature = torch.where(fresh.unsqueeze(-1), mode_curvature, curvature)
-            if rows:
-                if smoothed and not bool(had.all()):  # (new elements moved to their conditional mode: read there)
-                    rows_parts = self._rows_reference(level, plates, centres, expand)
-                self._write_rows_reference(level, plates, rows_parts, expand)
             root = psd_root(curvature, floor) if not diagonal else curvature.diagonal(dim1=-2, dim2=-1).clamp(min=floor)
             root = root if not diagonal else root.sqrt()
             old = tuple(self._reference(level, key, plates, 1 if diagonal else 2) for key in ("precision", "fisher_sd"))
@@ -787,6 +786,8 @@ class AutoBranchGuide(HierarchicalGuide):
             self._write_elements(
                 self.references, f"{level.name}__visits", level, plates, torch.zeros_like(had, dtype=prior.loc.dtype), 0
             )
+        if any(level.name in self._row_levels for level in stale) and self._rows_read_in_full(plates):
+            self._rows_reference(args, kwargs, plates, centres)  # (every row level's, at one point: _row_variate_term)
 
     def _full_plates(self) -> dict[str, pyro.plate]:
         """The conjugate levels' plates at full size (for the model's call on all the data)."""
@@ -1106,9 +1107,14 @@ class AutoBranchGuide(HierarchicalGuide):
     def _global_deviation(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The globals' draw ``u (..., d_g)`` less q's mean: with the mean live (the family's: ``u - mean`` is the
         globals' scaled base noise) and detached (the scorer of sticking the landing, whose density must not depend on
-        the variational parameters)."""
+        the variational parameters). The mean is read once a call."""
         assert self._global_level is not None
-        loc = self._level_params(self._global_level, None)[0]
+        cache = self._call_cache
+        loc = None if cache is None else cache.get(("global_loc",))
+        if loc is None:
+            loc = self._level_params(self._global_level, None)[0]
+            if cache is not None:
+                cache[("global_loc",)] = loc
         return u - loc, u - loc.detach()
 
     def _gathered_data(self, structure: ModelStructure) -> list[tuple[str, str]]:
@@ -1302,8 +1308,10 @@ class AutoBranchGuide(HierarchicalGuide):
         values: dict[str, torch.Tensor] = {}
         result: dict[str, torch.Tensor] = {}
         outer, outer_cache, outer_untraced = self._gathers, self._call_cache, self._call_untraced
+        outer_eager = self._call_eager
         self._call_cache = {}
         self._call_untraced = not torch.is_grad_enabled() and not torch.jit.is_tracing()
+        self._call_eager = not torch.jit.is_tracing() and not _jit_param_capture()
         try:
             if self._gathers is None:  # (the amortized guide has found this call's already)
                 self._gathers = self._call_gathers(args, kwargs, plates)
@@ -1321,6 +1329,7 @@ class AutoBranchGuide(HierarchicalGuide):
             return self._sample_levels(args, kwargs, plates, values, result, training)
         finally:
             self._gathers, self._call_cache, self._call_untraced = outer, outer_cache, outer_untraced
+            self._call_eager = outer_eager
 
     def _sample_levels(
         self, args: tuple, kwargs: dict, plates: dict, values: dict, result: dict, training: bool
@@ -1345,8 +1354,8 @@ class AutoBranchGuide(HierarchicalGuide):
                         result[name] = self._emit(name, self._site_unconstrained(level, name, u))
                 if training and self._control_variate_applies(level, plates, values):
                     terms.append(self._control_variate_term(level, q, args, kwargs, values, result, plates))
-                if training and self._row_variate_applies(level, plates, values):
-                    terms.append(self._row_variate_term(level, args, kwargs, values, plates))
+            if training and self._row_variate_applies(plates, values):  # (every row level's and the globals' at once)
+                terms.append(self._row_variate_term(args, kwargs, values, plates))
         finally:
             self._globals_stick = False
         if terms:  # zero-valued: only the globals' gradient moves (q's log density, and so the ELBO, unchanged)
@@ -1361,13 +1370,13 @@ class AutoBranchGuide(HierarchicalGuide):
         latent = {p for level in self.levels for p in level.plates}
         return bool(drawn) and all(_subsample_size(plates[p]) == self.structure.plates[p].size for p in latent)
 
-    def _row_variate_applies(self, level: PlateLevel, plates: dict, values: dict[str, torch.Tensor]) -> bool:
-        """Whether this training call's draw of ``level`` gets the rows' control variate (:meth:`_row_variate_term`):
-        a level whose rows the model draws at random, read in full at its last reference, in a call that draws rows
-        and no latent plate, run in Python (not a compiled step), one draw (not vectorised particles), densities not
-        masked out, inside an ELBO."""
+    def _row_variate_applies(self, plates: dict, values: dict[str, torch.Tensor]) -> bool:
+        """Whether this training call gets the rows' control variate (:meth:`_row_variate_term`): a model whose rows
+        Pyro draws at random, their expansion read in full at the last reference (:meth:`_rows_reference`; in some level
+        whose curvature is block diagonal, or with globals), in a call that draws rows and no latent plate, run in
+        Python (not a compiled step), one draw (not vectorised particles), densities not masked out, inside an ELBO."""
         if (
-            level.name not in self._row_levels
+            not self._row_levels
             or torch.jit.is_tracing()
             or poutine.get_mask() is False
             or not am_i_wrapped()
@@ -1375,146 +1384,224 @@ class AutoBranchGuide(HierarchicalGuide):
         ):
             return False
         glob = self._global_level
-        if glob is not None and glob is not level and values[glob.name].dim() != 1:
+        if glob is not None and values[glob.name].dim() != 1:
             return False
-        return bool(self._param(self.references, f"{level.name}__rows_ready").detach() > 0)
+        ready = [float(self._param(self.references, f"{name}__rows_ready").detach()) for name in self._row_order()]
+        return any(r > 0 for r in ready) or (glob is not None and all(r != 0 for r in ready))
 
     def _row_variate_term(
-        self, level: PlateLevel, args: tuple, kwargs: dict, values: dict[str, torch.Tensor], plates: dict
+        self, args: tuple, kwargs: dict, values: dict[str, torch.Tensor], plates: dict
     ) -> torch.Tensor:
         r"""The guide-side log factor (zero-valued) of the control variate of a likelihood whose rows the model draws
-        at random, in a conjugate level's draw :math:`u` and the globals' :math:`\theta` (SVRG's, with the rows'
-        expansion as the reference function: Johnson & Zhang 2013).
+        at random, in the draws :math:`u_\ell` of the conjugate levels (every one the rows read: crossed students and
+        questions alike) and the globals' :math:`\theta` (SVRG's, with the rows' expansion as the reference function:
+        Johnson & Zhang 2013).
 
         A training call scores :math:`B` of the :math:`N` rows, :math:`(N/B)\sum_{r \in B} \ell_r(u, \theta)`, whose
-        gradient reaches the globals' parameters directly and through the draw :math:`u`, which depends on them. At
-        the level's last reference the rows' expansion was read from every row (block by block),
-        :math:`Q(u) = \sum_r Q_r(u) = g^\top (u - c) - \tfrac12 (u - c)^\top F (u - c)` at the reference point
-        :math:`c` (the other latents at theirs; per element's block), with :math:`g_\theta`, the gradient in the
-        globals there. The same expansion from this call's rows, :math:`\hat Q_B = (N/B) \sum_{r \in B} Q_r` (one run
-        of the model on the call's rows at the reference point: :math:`\hat g, \hat F, \hat g_\theta`), has the mean
-        :math:`Q` over the draw of the rows whatever :math:`u`, so the ELBO's gradient gets
+        gradient reaches the parameters directly and through the draws, which depend on them. At the last reference
+        (:meth:`_rows_reference`) the rows' expansion was read from every row (block by block) at one point
+        :math:`c = (c_1, \dots, c_k, c_\theta)` (the other latents at theirs): per level the gradient :math:`g_\ell`
+        and the curvature blocks :math:`F_{\ell\ell}` (per element), and :math:`g_\theta`, :math:`F_{\theta\theta}`,
+        :math:`F_{\ell\theta}`. The same expansion from this call's rows, :math:`\hat Q_B = (N/B)\sum_{r \in B} Q_r`,
+        read by *one* run of the model on the call's rows at :math:`c` with one Hessian-vector product per level
+        (:func:`~pyro_hier.conjugate.levels_expansion`), has the mean :math:`Q` over the draw of the rows whatever
+        :math:`u`, so with :math:`\delta_\ell = u_\ell - c_\ell`, :math:`\delta_\theta = \theta - c_\theta` the ELBO's
+        gradient gets, with mean zero,
 
-        .. math:: \big[(g - \hat g) - (F - \hat F)(u - c)\big]\ \text{in } u, \qquad
-                  (g_\theta - \hat g_\theta)\ \text{in } \theta,
+        .. math:: \big[(g_1 - \hat g_1) - (F - \hat F)_{11}\delta_1 - (F - \hat F)_{1\theta}\delta_\theta\big]
+                  \ \text{in } u_1, \qquad
+                  \big[(g_\ell - \hat g_\ell) - (F - \hat F)_{\ell\ell}\delta_\ell\big]\ \text{in } u_{\ell > 1},
 
-        with mean zero, entered as :math:`a^\top u - (a^\top u)_{\text{stop}}` through the draws' reparameterisation.
-        Where the likelihood is quadratic in the level (Gaussian observations whose mean is linear in it), what is left
-        of the rows' noise in :math:`u` is the change of the globals since the reference, and in :math:`\theta` the
-        change of its curvature term. On ``radon-rows`` (``benchmarks/dropin.py``, seed 0) the max error went from
-        0.43 to 0.17 sd with it (set by references alone) and 1.18 before either."""
+        .. math:: (g_\theta - \hat g_\theta) - (F - \hat F)_{\theta\theta}\delta_\theta
+                  - \textstyle\sum_\ell (F - \hat F)_{\theta\ell}\,\delta_\ell\ \text{in } \theta,
+
+        entered as :math:`a^\top u - (a^\top u)_{\text{stop}}` through the draws' reparameterisation (the blocks
+        between two crossed levels are left out of both :math:`Q` and :math:`\hat Q_B`). Where the likelihood is
+        quadratic in a level (Gaussian observations whose mean is linear in it), what is left of the rows' noise in its
+        draw is the change of the globals since the reference. On ``radon-rows`` (``benchmarks/dropin.py``, seed 0) the
+        max error went from 0.43 to 0.17 sd with it (set by references alone) and 1.18 before either. A level whose
+        rows' curvature is not block diagonal (a row reading two of its elements) gets no term of its own."""
         glob = self._global_level
-        centre = self._param(self.references, f"{level.name}__rows_centre").detach()
-        expand = self._level_expander(args, kwargs, level, {}, 1.0, plate_indices(plates), rows={})
-        u = values[level.name]
-        gradient, curvature = (
-            self._param(self.references, f"{level.name}__rows_{key}").detach() for key in ("gradient", "curvature")
+        order = self._row_order()
+        point = self._rows_point()
+        ready = {name: float(self._param(self.references, f"{name}__rows_ready").detach()) for name in order}
+        deltas = {name: values[name].detach() - point[name] for name in order}
+        delta_g = None if glob is None else values[glob.name].detach() - point[glob.name]
+        directions = [
+            (tuple(deltas[name] if m == index else None for m in range(len(order))), delta_g if index == 0 else None)
+            for index, name in enumerate(order)
+        ]
+        gradients, batch_global_gradient, products = self._read_rows(
+            args, kwargs, plate_indices(plates), {}, point, directions
         )
-        delta = u.detach() - centre
-        full_product = (curvature @ delta.unsqueeze(-1)).squeeze(-1)
-        if glob is None or glob is level or level.name != self._first_row_level():
-            batch_gradient, batch_curvature = self._rows_expansion(level, expand)
-            batch_product = (batch_curvature @ delta.unsqueeze(-1)).squeeze(-1)
-            term = -(((gradient - batch_gradient) - (full_product - batch_product)) * u).sum()
-            return term - term.detach()  # (the guide's log density gets -a.u: the ELBO +a.u)
-        u_g = values[glob.name]
-        point = self._param(self.references, f"{level.name}__rows_at__{glob.name}").detach()
-        delta_g = u_g.detach() - point
-        batch_gradient, batch_global_gradient, batch_product, batch_global_product = self._rows_expansion(
-            level, expand, (delta, delta_g)
-        )
-        global_gradient, global_curvature, cross = (
-            self._param(self.references, f"{level.name}__rows_{key}").detach()
-            for key in ("global_gradient", "global_curvature", "cross_curvature")
-        )
-        full_product = full_product + (cross @ delta_g.unsqueeze(-1)).squeeze(-1)
-        every = tuple(range(delta.dim() - 1))
-        full_global_product = global_curvature @ delta_g + (cross.mT @ delta.unsqueeze(-1)).squeeze(-1).sum(every)
-        a_u = (gradient - batch_gradient) - (full_product - batch_product)
-        a_g = (global_gradient - batch_global_gradient) - (full_global_product - batch_global_product)
-        term = -(a_u * u).sum() - (a_g * u_g).sum()
+        term = values[order[0]].new_zeros(())
+        for index, name in enumerate(order):
+            if ready[name] <= 0:
+                continue
+            gradient, curvature = (
+                self._param(self.references, f"{name}__rows_{key}").detach() for key in ("gradient", "curvature")
+            )
+            full_product = (curvature @ deltas[name].unsqueeze(-1)).squeeze(-1)
+            if index == 0 and glob is not None:
+                cross = self._param(self.references, f"{name}__rows_cross_curvature").detach()
+                full_product = full_product + (cross @ delta_g.unsqueeze(-1)).squeeze(-1)
+            a_u = (gradient - gradients[index]) - (full_product - products[index][0][index])
+            term = term - (a_u * values[name]).sum()  # (the guide's log density gets -a.u: the ELBO +a.u)
+        if glob is not None:
+            first = order[0]
+            global_gradient, global_curvature = (
+                self._param(self.references, f"{first}__rows_global_{key}").detach()
+                for key in ("gradient", "curvature")
+            )
+            full_global_product = global_curvature @ delta_g
+            for name in order:
+                cross = self._param(self.references, f"{name}__rows_cross_curvature").detach()
+                every = tuple(range(deltas[name].dim() - 1))
+                moved = (cross.mT @ deltas[name].unsqueeze(-1)).squeeze(-1).sum(every)
+                full_global_product = full_global_product + moved
+            batch_global_product = sum(product[1] for product in products)
+            a_g = (global_gradient - batch_global_gradient) - (full_global_product - batch_global_product)
+            term = term - (a_g * values[glob.name]).sum()
         return term - term.detach()
 
-    def _rows_expansion(
-        self, level: PlateLevel, expand: Callable[..., tuple], direction: tuple | None = None
-    ) -> tuple[torch.Tensor, ...]:
-        """The rows' expansion behind :meth:`_row_variate_term`, by ``expand`` (:meth:`_level_expander`: every row,
-        block by block, or the call's rows) at the level's last reference of it: the gradient and curvature in the
-        level (:func:`~pyro_hier.conjugate.element_expansion`), and for the first such level jointly with the globals
-        (:func:`~pyro_hier.conjugate.joint_expansion`, whole, or times ``direction``), from the same runs of the model
-        (the level's and the globals' own prior terms left out)."""
-        at, centre = self._row_reference(level)
-        glob = self._global_level
-        if glob is None or glob is level or level.name != self._first_row_level():
-            return expand(at, centre)
-        point = self._param(self.references, f"{level.name}__rows_at__{glob.name}").detach()
-        joint = {"globals_v": point, "to_globals": lambda v: self._level_values(glob, v), "direction": direction}
-        return expand(at, centre, joint=joint)
-
-    @torch.no_grad()
-    def _rows_block_diagonal(self, level: PlateLevel, expand: Callable[..., tuple], parts: tuple) -> bool:
-        """Whether the rows' curvature in ``level`` is block diagonal across its elements (each row reads at most one
-        of them, as a gathered group effect does), checked once on every row along a random direction: where it is
-        not (a row reading two elements, as in a pairwise comparison), the per-element blocks of ``parts`` and the
-        per-call Hessian-vector product of :meth:`_row_variate_term` would not agree, and the rows' control variate is
-        off for the level (the ELBO's gradient is unbiased either way; a warning says so)."""
-        with keep_random_state():
-            probe = torch.randn(parts[0].shape, dtype=parts[0].dtype, device=parts[0].device)
-            _, _, product, _ = self._rows_expansion(level, expand, (probe, torch.zeros_like(parts[2])))
-        blocks = (parts[1] @ probe.unsqueeze(-1)).squeeze(-1)
-        scale = float(blocks.abs().max()) + 1e-12
-        if torch.allclose(product, blocks, rtol=1e-4, atol=1e-6 * scale):
-            return True
-        warnings.warn(
-            f"AutoBranchGuide: a row of the likelihood reads more than one element of level '{level.name}', so the "
-            "control variate of the rows the model draws at random is off for it (the gradient stays unbiased, "
-            "with the minibatch's full noise)",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return False
-
-    def _rows_reference(
-        self, level: PlateLevel, plates: dict, centres: dict[str, torch.Tensor], expand: Callable[..., tuple]
-    ) -> tuple[torch.Tensor, ...]:
-        """Make ``centres`` (every level's, this call's elements) the reference point of ``level``'s rows' control
-        variate and return the rows' expansion there (:meth:`_rows_expansion`, every row)."""
-        self._write_elements(self.references, f"{level.name}__rows_centre", level, plates, centres[level.name], 1)
-        for other in self.levels:
-            if other is not level:
-                key = f"{level.name}__rows_at__{other.name}"
-                _state_tensor(self._param(self.references, key)).copy_(centres[other.name])
-        return self._rows_expansion(level, expand)
-
-    def _write_rows_reference(self, level: PlateLevel, plates: dict, parts: tuple, expand: Callable[..., tuple]):
-        """Keep the rows' expansion ``parts`` at the reference point (:meth:`_rows_reference`); the first time, check
-        that the rows' curvature is block diagonal in the level (:meth:`_rows_block_diagonal`)."""
-        self._write_elements(self.references, f"{level.name}__rows_gradient", level, plates, parts[0], 1)
-        self._write_elements(self.references, f"{level.name}__rows_curvature", level, plates, parts[1], 2)
-        ready = _state_tensor(self._param(self.references, f"{level.name}__rows_ready"))
-        if len(parts) > 2:
-            for key, value in zip(("global_gradient", "global_curvature"), parts[2:4], strict=True):
-                _state_tensor(self._param(self.references, f"{level.name}__rows_{key}")).copy_(value)
-            self._write_elements(self.references, f"{level.name}__rows_cross_curvature", level, plates, parts[4], 2)
-            if float(ready) == 0.0 and not self._rows_block_diagonal(level, expand, parts):
-                ready.fill_(-1.0)
-        if float(ready) == 0.0:
-            ready.fill_(1.0)
+    def _row_order(self) -> list[str]:
+        """The conjugate levels whose rows the model draws at random, in level order (the first also holds the
+        globals' part of the rows' expansion and the reference point of the other levels)."""
+        return [level.name for level in self.levels if level.name in self._row_levels]
 
     def _first_row_level(self) -> str | None:
-        """The first conjugate level (in level order) whose rows the model draws at random: its rows' control variate
-        also carries the globals' (:meth:`_row_variate_term`)."""
-        return next((level.name for level in self.levels if level.name in self._row_levels), None)
+        """The first conjugate level (in level order) whose rows the model draws at random: it holds the globals' part
+        of the rows' expansion (:meth:`_row_variate_term`) and the reference point of the levels that are not row
+        levels."""
+        return next(iter(self._row_order()), None)
 
-    def _row_reference(self, level: PlateLevel) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """The latent values (constrained, by site) at ``level``'s last reference of its rows' control variate, and
-        the level's element vectors there."""
+    def _rows_point(self) -> dict[str, torch.Tensor]:
+        """The point (every level's element vectors, unconstrained) at which the rows' expansion was last read
+        (:meth:`_rows_reference`): the row levels' ``rows_centre``, the other levels' ``rows_at__<level>`` of the first
+        row level."""
+        first = self._first_row_level()
+        point = {}
+        for level in self.levels:
+            key = f"{level.name}__rows_centre" if level.name in self._row_levels else f"{first}__rows_at__{level.name}"
+            point[level.name] = self._param(self.references, key).detach()
+        return point
+
+    def _read_rows(
+        self,
+        args: tuple,
+        kwargs: dict,
+        subsamples: dict[str, torch.Tensor],
+        rows: dict[str, tuple[int, int]] | None,
+        point: dict[str, torch.Tensor],
+        directions: list | None = None,
+    ) -> tuple:
+        """:func:`~pyro_hier.conjugate.levels_expansion` of the rest of the model in every row level and the globals at
+        ``point``, on the call ``args``, ``kwargs`` with the plates' ``subsamples``: on every row, block by block
+        (``rows=None``: this call's plates of rows drawn at random, :meth:`drawn_rows`), or on the call's own rows
+        (``rows={}``)."""
+        blocks, given = self._row_blocks(subsamples, rows)
+        glob = self._global_level
         at: dict[str, torch.Tensor] = {}
-        centre = self._param(self.references, f"{level.name}__rows_centre").detach()
-        for other in self.levels:
-            ref = centre if other is level else self._param(self.references, f"{level.name}__rows_at__{other.name}")
-            at.update(self._level_values(other, ref.detach()))
-        return at, centre
+        for level in self.levels:
+            if level.name not in self._row_levels and level is not glob:
+                at.update(self._level_values(level, point[level.name]))
+        specs = [
+            (point[level.name], lambda v, level=level: self._level_values(level, v))
+            for level in self.levels
+            if level.name in self._row_levels
+        ]
+        v = None if glob is None else point[glob.name]
+        to_globals = None if glob is None else (lambda v: self._level_values(glob, v))
+        total = None
+        for block in blocks:
+            model = self.model if block is None else block(self.model)
+            part = levels_expansion(
+                model, args, kwargs, at, specs, v, to_globals, 1.0, given, directions, validate=False
+            )
+            total = part if total is None else _tree_add(total, part)
+        return total
+
+    def _row_blocks(
+        self, subsamples: dict[str, torch.Tensor], rows: dict[str, tuple[int, int]] | None
+    ) -> tuple[list, dict[str, torch.Tensor]]:
+        """The blocks in which a read of the likelihood runs the model (:func:`~pyro_hier.plates.row_blocks` of the
+        plates of ``rows``, by default those this call drew at random, :meth:`drawn_rows`; ``[None]``: one run on the
+        call's own rows) and the subsamples to replay in each."""
+        assert self.structure is not None
+        if rows is None:
+            drawn = getattr(self, "drawn_plates", ())
+            sizes = {n: self.structure.plates[n].size for n in subsamples if n in self.structure.plates}
+            rows = self.drawn_rows({n: PlateCall(n, sizes[n], subsamples[n], n not in drawn) for n in sizes})
+        blocks = row_blocks(rows, device=next(iter(subsamples.values())).device) if rows else [None]
+        return blocks, {n: i for n, i in subsamples.items() if n not in rows}
+
+    @torch.no_grad()
+    def _rows_reference(self, args: tuple, kwargs: dict, plates: dict, centres: dict[str, torch.Tensor]) -> None:
+        """Read the rows' expansion behind :meth:`_row_variate_term` from every row (block by block), jointly in every
+        row level and the globals, at one point: the row levels' current means under q (just after their references
+        were redone) and the other levels' ``centres`` (the globals' at their tail average, as the references read
+        them), and keep it with the point. The first time, check per level that the rows' curvature is block diagonal
+        (:meth:`_rows_block_diagonal`)."""
+        glob = self._global_level
+        order = self._row_order()
+        first = order[0]
+        point = dict(centres)
+        for name in order:
+            point[name] = self._level_mean(self._levels[name], plates).detach()
+        for level in self.levels:
+            if level.name in self._row_levels:
+                self._write_elements(self.references, f"{level.name}__rows_centre", level, plates, point[level.name], 1)
+            else:
+                _state_tensor(self._param(self.references, f"{first}__rows_at__{level.name}")).copy_(point[level.name])
+        subsamples = plate_indices(plates)
+        gradients, curvatures, global_gradient, global_curvature, crosses = self._read_rows(
+            args, kwargs, subsamples, None, point
+        )
+        for index, name in enumerate(order):
+            level = self._levels[name]
+            self._write_elements(self.references, f"{name}__rows_gradient", level, plates, gradients[index], 1)
+            self._write_elements(self.references, f"{name}__rows_curvature", level, plates, curvatures[index], 2)
+            if glob is not None:
+                self._write_elements(self.references, f"{name}__rows_cross_curvature", level, plates, crosses[index], 2)
+        if glob is not None:
+            _state_tensor(self._param(self.references, f"{first}__rows_global_gradient")).copy_(global_gradient)
+            _state_tensor(self._param(self.references, f"{first}__rows_global_curvature")).copy_(global_curvature)
+        flags = [_state_tensor(self._param(self.references, f"{name}__rows_ready")) for name in order]
+        if all(float(flag) == 0.0 for flag in flags):
+            blocks = self._rows_block_diagonal(args, kwargs, subsamples, point, curvatures)
+            for flag, ok in zip(flags, blocks, strict=True):
+                flag.fill_(1.0 if ok else -1.0)
+
+    def _rows_block_diagonal(
+        self, args: tuple, kwargs: dict, subsamples: dict, point: dict[str, torch.Tensor], curvatures: tuple
+    ) -> list[bool]:
+        """Per row level, whether the rows' curvature in it is block diagonal across its elements (each row reads at
+        most one of them, as a gathered group effect does), checked once on every row along a random direction: where
+        it is not (a row reading two elements, as in a pairwise comparison), the per-element blocks ``curvatures`` and
+        the per-call Hessian-vector product of :meth:`_row_variate_term` would not agree, and the rows' control
+        variate in that level is off (the ELBO's gradient is unbiased either way; a warning says so)."""
+        order = self._row_order()
+        with keep_random_state():
+            probes = [torch.randn(c.shape[:-1], dtype=c.dtype, device=c.device) for c in curvatures]
+        directions = [
+            (tuple(probes[m] if m == index else None for m in range(len(order))), None) for index in range(len(order))
+        ]
+        _, _, products = self._read_rows(args, kwargs, subsamples, None, point, directions)
+        out = []
+        for index, name in enumerate(order):
+            blocks = (curvatures[index] @ probes[index].unsqueeze(-1)).squeeze(-1)
+            scale = float(blocks.abs().max()) + 1e-12
+            ok = torch.allclose(products[index][0][index], blocks, rtol=1e-4, atol=1e-6 * scale)
+            if not ok:
+                warnings.warn(
+                    f"AutoBranchGuide: a row of the likelihood reads more than one element of level '{name}', so the "
+                    "control variate of the rows the model draws at random is off for it (the gradient stays "
+                    "unbiased, with the minibatch's full noise)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            out.append(ok)
+        return out
 
     def _control_variate_applies(self, level: PlateLevel, plates: dict, values: dict[str, torch.Tensor] | None) -> bool:
         """Whether this training call's draw of ``level`` gets the control variate: a level with one
@@ -1666,18 +1753,43 @@ class AutoBranchGuide(HierarchicalGuide):
         """q of a level's elements on this call, given the ancestors' draws (``values`` unconstrained by level,
         ``result`` constrained by site); built outside the plates. A hook: the amortized guide's conjugate levels."""
         if level.name in self.conjugate_levels:  # the prior conditional at the ancestors' draws, from the model
-            fns, _ = capture_priors(
-                self.reading_model,
-                args,
-                kwargs,
-                dict(result),
-                level.sites,
-                plate_indices(plates),
-                validate=False,
-                init=self.site_init,
-            )
+            fns = self._call_priors(level, args, kwargs, result, plates)
             return self._conjugate_distribution(level, self._level_prior(level, fns), values, plates)
         return self._level_distribution(level, values, plates)  # parameters read (and cut) outside the plates
+
+    def _call_priors(self, level: PlateLevel, args: tuple, kwargs: dict, result: dict, plates: dict) -> dict:
+        """The prior conditionals (``{site: distribution}``) of a conjugate level's sites at the draws of this call
+        (``result``, constrained by site), read from one run of the model up to them. That run also reads the later
+        conjugate levels whose parents are all drawn already (crossed levels under the globals: students and questions
+        of an item-response model), kept for the rest of the call (a run of the model saved per such level)."""
+        cache = self._call_cache
+        held = None if cache is None else cache.get(("priors",))
+        if held is not None and all(site in held for site in level.sites):
+            return held
+        assert self.structure is not None
+        wanted = list(level.sites)
+        try:
+            parents = self.structure.parents
+        except StructureError:  # (the dependencies cannot be traced: this level's alone)
+            parents = None
+        if parents is not None:
+            drawn = set(result)
+            for other in self.levels[self.levels.index(level) + 1 :]:
+                if other.name in self.conjugate_levels and all(set(parents.get(s, ())) <= drawn for s in other.sites):
+                    wanted += other.sites
+        fns, _ = capture_priors(
+            self.reading_model,
+            args,
+            kwargs,
+            dict(result),
+            wanted,
+            plate_indices(plates),
+            validate=False,
+            init=self.site_init,
+        )
+        if cache is not None:
+            cache[("priors",)] = fns
+        return fns
 
     @property
     def _call_reading_levels(self) -> tuple[str, ...]:
@@ -2174,6 +2286,30 @@ def _reference_change(old: tuple, new: tuple, diagonal: bool) -> torch.Tensor:
 
     shape = torch.broadcast_shapes(shift.shape, relative(prec0, prec1).shape, relative(root0, root1).shape)
     return torch.stack([t.expand(shape) for t in (shift, relative(prec0, prec1), relative(root0, root1))]).amax(0)
+
+
+def _jit_param_capture() -> bool:
+    """Whether this runs inside Pyro's first, untraced call of a compiled function (``pyro.ops.jit.trace``, behind
+    every ``Jit*_ELBO``), which records the parameters that its ``torch.jit`` trace will take as inputs: a param-only
+    trace inside a ``poutine.block`` on Pyro's handler stack. (A training loop under a block of the user's own reads
+    as if compiled: the same values, through Pyro.)"""
+    blocked = False
+    for frame in _PYRO_STACK:  # (outermost first)
+        if isinstance(frame, BlockMessenger):
+            blocked = True
+        elif blocked and isinstance(frame, TraceMessenger) and frame.param_only:
+            return True
+    return False
+
+
+def _tree_add(a, b):
+    """``a + b`` leaf by leaf over nested tuples of tensors (``None`` leaves stay ``None``): the sum of a read's parts
+    over blocks of rows."""
+    if a is None:
+        return None
+    if isinstance(a, tuple | list):
+        return type(a)(_tree_add(x, y) for x, y in zip(a, b, strict=True))
+    return a + b
 
 
 def _as_list(plates) -> list:
