@@ -464,7 +464,8 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         self._expansion_potentials: dict[str, tuple] = {}  # leaf levels: each element's last pseudo-observation
         self._model_run: tuple | None = None  # the last inspection run of the model, keyed by its arguments
         self._expanded: dict = {}  # the expansions of the current call
-        self._expanded_at: tuple | None = None  # rows drawn at random: the globals' q where they were read
+        self._expanded_at: tuple | None = None  # the globals' q where the expansions were read
+        self._expanded_rows = False  # whether they were read from rows drawn at random
         self._data_expansion: tuple | None = None  # the last call's with data, and its plates' indices
         self._observed_rows: ObservedRows | None = None
         if self.amortized_levels:  # one run of the model gives every level's data for the input statistics
@@ -848,6 +849,7 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
             self._decoded = None
             self._expanded = {}
             self._expanded_at = None
+            self._expanded_rows = False
             self._gathers = outer
 
     @torch.no_grad()
@@ -895,12 +897,13 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         if torch.jit.is_tracing():  # (JitTrace_ELBO) every element's, held; the traced step selects the call's
             made, held, at = self._traced_expansion(args, kwargs)
             self._expanded = self._at_elements(made, held, indices, "the call")
-            self._expanded_at = at
+            self._expanded_at, self._expanded_rows = at, False
             return
         key = (call_key(args, kwargs), torch.is_grad_enabled())
         calls_done = float(self.references.training_calls.detach()) if hasattr(self.references, "training_calls") else 0
         cached = self._expansion_cache
         rows = self.drawn_rows(calls)  # (read in full whatever the draw)
+        self._expanded_rows = bool(rows)
         held = {p: c.indices for p, c in calls.items() if p not in rows}
         if cached is not None and cached[0] == key and not _same_indices(cached[4], held):
             cached = None  # the same arguments, but Pyro drew other elements (subsample_size=)
@@ -1722,7 +1725,15 @@ class AutoAmortizedBranchGuide(AutoBranchGuide):
         expanded = self._expanded.get(level.name)
         if expanded is not None and expanded[2] is not None:
             deltas = self._global_deviation(values[self._global_level.name])
-            if self._expanded_at is not None:  # from the globals' mean it was read at
+            # from the globals' mean it was read at, where the likelihood is not Gaussian in the level (between redos
+            # the groups then follow the globals' q as it moves: the intercept of a Poisson or binomial model and the
+            # groups' mean trade along a ridge, and measured from q's current mean the groups did not follow, which
+            # pinned q near the last redo: epil 15 sd off, now 0.15) or the rows are drawn at random (redone when the
+            # globals' q has moved). A Gaussian level's pseudo-observation moves linearly in the natural parameter and
+            # exponentially in the precision (its slopes are first order in a log scale), and measured from the read
+            # point the optimiser followed that mismatch (radon diverged): it keeps q's current mean, redone every
+            # EXPANSION_EVERY training calls
+            if self._expanded_at is not None and (self._expanded_rows or self._quadratic.get(level.name) is False):
                 moved = values[self._global_level.name] - self._expanded_at[0]
                 deltas = (moved, moved)
 
