@@ -38,6 +38,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
 import dataclasses
+import hashlib
+import inspect
 import math
 import statistics
 import sys
@@ -149,11 +151,102 @@ def irt_problem(rows: int | None = None) -> Problem:
     return Problem("irt", model, (student, question, y))
 
 
+def hetero_problem() -> Problem:
+    gen = torch.Generator().manual_seed(15)
+    group = _groups(gen, 30, 3, 20)
+    a = 1.0 + 0.8 * torch.randn(30, generator=gen, dtype=torch.float64)
+    sigma = torch.exp(-0.5 + 0.5 * torch.randn(30, generator=gen, dtype=torch.float64))
+    y = a[group] + sigma[group] * torch.randn(len(group), generator=gen, dtype=torch.float64)
+
+    def model(group, y=None):
+        mu = pyro.sample("mu", dist.Normal(y.new_zeros(()), 5.0))
+        tau = pyro.sample("tau", dist.HalfNormal(y.new_tensor(2.0)))
+        m_s = pyro.sample("m_s", dist.Normal(y.new_zeros(()), 1.0))
+        t_s = pyro.sample("t_s", dist.HalfNormal(y.new_ones(())))
+        with pyro.plate("groups", 30):
+            a = pyro.sample("a", dist.Normal(mu, tau))
+            sigma = pyro.sample("sigma", dist.LogNormal(m_s, t_s))
+        with pyro.plate("obs", len(group)):
+            pyro.sample("y", dist.Normal(a[..., group], sigma[..., group]), obs=y)
+
+    return Problem("hetero", model, (group, y))
+
+
+def beta_problem() -> Problem:
+    gen = torch.Generator().manual_seed(16)
+    trials = torch.randint(5, 41, (40,), generator=gen).double()
+    with torch.random.fork_rng():
+        torch.manual_seed(16)
+        theta = torch.distributions.Beta(torch.tensor(3.0, dtype=torch.float64), 12.0).sample((40,))
+    y = torch.binomial(trials, theta, generator=gen)
+
+    def model(trials, y=None):
+        phi = pyro.sample("phi", dist.Beta(trials.new_ones(()), 1.0))
+        kappa = pyro.sample("kappa", dist.Pareto(trials.new_ones(()), 1.5))
+        with pyro.plate("groups", len(trials)):
+            theta = pyro.sample("theta", dist.Beta(kappa * phi, kappa * (1 - phi)))
+            pyro.sample("y", dist.Binomial(trials, probs=theta), obs=y)
+
+    return Problem("beta", model, (trials, y))
+
+
+def nested_problem() -> Problem:
+    gen = torch.Generator().manual_seed(17)
+    states, counties = 6, 30
+    state_of_county = torch.randint(0, states, (counties,), generator=gen)
+    county = _groups(gen, counties, 1, 15)
+    b = 1.0 + 0.7 * torch.randn(states, generator=gen, dtype=torch.float64)
+    a = b[state_of_county] + 0.4 * torch.randn(counties, generator=gen, dtype=torch.float64)
+    y = a[county] + 0.8 * torch.randn(len(county), generator=gen, dtype=torch.float64)
+
+    def model(state_of_county, county, y=None):
+        mu = pyro.sample("mu", dist.Normal(y.new_zeros(()), 5.0))
+        s_b = pyro.sample("s_b", dist.HalfNormal(y.new_ones(())))
+        s_a = pyro.sample("s_a", dist.HalfNormal(y.new_ones(())))
+        sigma = pyro.sample("sigma", dist.HalfNormal(y.new_ones(())))
+        with pyro.plate("states", states):
+            b = pyro.sample("b", dist.Normal(mu, s_b))
+        with pyro.plate("counties", counties):
+            a = pyro.sample("a", dist.Normal(b[..., state_of_county], s_a))
+        with pyro.plate("homes", len(county)):
+            pyro.sample("y", dist.Normal(a[..., county], sigma), obs=y)
+
+    return Problem("nested", model, (state_of_county, county, y))
+
+
+def robust_problem() -> Problem:
+    gen = torch.Generator().manual_seed(18)
+    group = _groups(gen, 30, 2, 20)
+    u = torch.randn(30, generator=gen, dtype=torch.float64)
+    a = 0.5 + 0.8 * u + 0.5 * torch.randn(30, generator=gen, dtype=torch.float64)
+    with torch.random.fork_rng():
+        torch.manual_seed(18)
+        noise = torch.distributions.StudentT(torch.tensor(3.0, dtype=torch.float64)).sample((len(group),))
+    y = a[group] + 0.6 * noise
+
+    def model(u, group, y=None):
+        c0 = pyro.sample("c0", dist.Normal(u.new_zeros(()), 5.0))
+        c1 = pyro.sample("c1", dist.Normal(u.new_zeros(()), 2.0))
+        s = pyro.sample("s", dist.HalfNormal(u.new_ones(())))
+        nu = pyro.sample("nu", dist.Gamma(u.new_tensor(2.0), 0.1))
+        sigma = pyro.sample("sigma", dist.HalfNormal(u.new_ones(())))
+        with pyro.plate("groups", len(u)):
+            a = pyro.sample("a", dist.Normal(c0 + c1 * u, s))
+        with pyro.plate("obs", len(group)):
+            pyro.sample("y", dist.StudentT(nu, a[..., group], sigma), obs=y)
+
+    return Problem("robust", model, (u, group, y))
+
+
 PROBLEMS: dict[str, Callable[[], Problem]] = {
     "poisson": poisson_problem,
     "binomial": binomial_problem,
     "slopes": slopes_problem,
     "irt": irt_problem,
+    "hetero": hetero_problem,
+    "beta": beta_problem,
+    "nested": nested_problem,
+    "robust": robust_problem,
 }
 DEFAULT_GUIDES = (
     "AutoNormal",
@@ -165,9 +258,33 @@ DEFAULT_GUIDES = (
 )
 
 
+def _cache_path(problem: Problem, warmup: int, draws: int, seed: int) -> str:
+    """A file for the reference of this problem's data and NUTS settings (``$PYRO_HIER_CACHE``, default
+    ``~/.cache/pyro_hier``): the data's bytes and the model's source are hashed into the name."""
+    digest = hashlib.sha1()
+    for a in problem.args:
+        if isinstance(a, torch.Tensor):
+            digest.update(a.detach().cpu().numpy().tobytes())
+    digest.update(inspect.getsource(problem.model).encode())
+    root = os.environ.get("PYRO_HIER_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "pyro_hier"))
+    return os.path.join(root, f"unseen-{problem.name}-{warmup}-{draws}-{seed}-{digest.hexdigest()[:12]}.pt")
+
+
 def nuts_reference(problem: Problem, warmup: int, draws: int, seed: int) -> tuple[dict[str, Moments], float, float]:
     """Posterior means and sds of every latent site from Pyro's NUTS; the largest Monte Carlo error of a mean (in
-    posterior sds, from 20 batch means) and the CPU seconds."""
+    posterior sds, from 20 batch means) and the CPU seconds. Cached on disk (``_cache_path``): a cached reference
+    reports the CPU seconds it took when it was computed."""
+    path = _cache_path(problem, warmup, draws, seed)
+    if os.path.exists(path):
+        cached = torch.load(path, weights_only=False)
+        return {k: Moments(*v) for k, v in cached["moments"].items()}, cached["mc"], cached["cpu"]
+    moments, mc, cpu = _nuts_reference(problem, warmup, draws, seed)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save({"moments": {k: (m.mean, m.sd) for k, m in moments.items()}, "mc": mc, "cpu": cpu}, path)
+    return moments, mc, cpu
+
+
+def _nuts_reference(problem: Problem, warmup: int, draws: int, seed: int) -> tuple[dict[str, Moments], float, float]:
     cpu = time.process_time()
     moments, mc = {}, 0.0
     for name, v in nuts_pyro_samples(problem, seed, draws, warmup).items():
