@@ -1,7 +1,7 @@
 """Drop-in accuracy on models the guides were never tuned on, written the way users write them.
 
 ``dropin.py`` measures the defaults on the problems the project ships. A user brings other models; this script
-measures the same loop on three that none of the guides was developed against, each written as a Pyro user would
+measures the same loop on models that none of the guides was developed against, each written as a Pyro user would
 (a flat plate of observations gathering group effects by index, a count or a binary likelihood, a correlated pair of
 effects with an LKJ prior), on synthetic data of a fixed seed, against a reference computed here by Pyro's NUTS:
 
@@ -11,7 +11,21 @@ effects with an LKJ prior), on synthetic data of a fixed seed, against a referen
   ``θ_g ~ N(mu, tau)``, 70 groups of 10–50 trials, ``tau ~ HalfCauchy(1)`` (centred, with one observation per group:
   the funnel-prone shape of eight schools, with a non-Gaussian likelihood);
 - ``slopes``: varying intercepts and slopes, ``y_i ~ N(a[g_i] + b[g_i]·x_i, s)``, ``(a_g, b_g) ~ MVN(m, diag(τ) L Lᵀ
-  diag(τ))``, ``L ~ LKJCholesky(2, 2)``, 30 groups of 2–20 observations.
+  diag(τ))``, ``L ~ LKJCholesky(2, 2)``, 30 groups of 2–20 observations;
+- ``irt``: answers of 60 students to 8 of 15 questions each, ``y ~ Bernoulli(logit⁻¹(a[s] − b[q]))``: crossed plates
+  gathered by two indices in a flat plate of answers;
+- ``hetero``: groups with their own noise scale, ``y_i ~ N(a[g_i], σ[g_i])``, ``a_g ~ N(mu, tau)`` beside a positive
+  group effect ``σ_g ~ LogNormal(m_s, t_s)`` in the groups' plate, 30 groups of 3–20 observations (the likelihood is
+  not log-concave in a group's location and log noise scale);
+- ``beta``: group probabilities with a Beta prior, ``θ_g ~ Beta(κφ, κ(1 − φ))``, ``φ ~ Beta(1, 1)``, ``κ ~
+  Pareto(1, 1.5)``, one binomial count per group, 40 groups of 5–40 trials (group effects on (0, 1), not Gaussian);
+- ``nested``: states → counties → homes with gathers between group levels, ``a_c ~ N(b[state_of_county], s_a)``
+  in the counties' plate, homes in a flat plate gathering ``a[county]``, 6 states, 30 counties, 1–15 homes each;
+- ``robust``: a Student-t likelihood with a global ``ν ~ Gamma(2, 0.1)``, group intercepts with a group-level
+  predictor, ``a_g ~ N(c0 + c1·u_g, s)``, 30 groups of 2–20 observations.
+
+References are cached on disk (``$PYRO_HIER_CACHE``, default ``~/.cache/pyro_hier``), keyed by the problem's data, its
+model's source and the NUTS settings.
 
 With ``--rows B`` the guides fit ``poisson`` and ``slopes`` written as Pyro's big-data examples write them, ``B`` of
 the observations drawn at random on every call (``pyro.plate("obs", N, subsample_size=B)``), against the same
