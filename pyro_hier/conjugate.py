@@ -78,6 +78,7 @@ __all__ = [
     "conjugate_offset",
     "element_curvature",
     "element_expansion",
+    "gaussian_kl",
     "gaussian_log_normaliser",
     "gaussian_prior",
     "gaussian_update",
@@ -94,6 +95,7 @@ __all__ = [
     "rest_log_density",
     "smoothed_expansion",
     "smoothed_pseudo_observation",
+    "trust_region_step",
     "warm_conditional_mode",
 ]
 
@@ -1032,9 +1034,79 @@ def smoothed_pseudo_observation(
         new_natural = (new_info * loc if diagonal else (new_info @ loc.unsqueeze(-1)).squeeze(-1)) + gradient
         ok = torch.isfinite(new_natural).all(-1) & torch.isfinite(new_info.flatten(-1 if diagonal else -2)).all(-1)
         ok = ok & torch.isfinite(curvature.flatten(-1 if diagonal else -2)).all(-1)
-        precision = torch.where(ok.unsqueeze(-1) if diagonal else ok[..., None, None], new_info, precision)
-        natural = torch.where(ok.unsqueeze(-1), new_natural, natural)
+        new_info = torch.where(ok.unsqueeze(-1) if diagonal else ok[..., None, None], new_info, precision)
+        new_natural = torch.where(ok.unsqueeze(-1), new_natural, natural)
+        precision, natural = trust_region_step(prior, (precision, natural), (new_info, new_natural), (loc, scale))
     return precision, natural
+
+
+#: the largest KL divergence (nats) of q after one fixed-point step of its pseudo-observation from q before it
+#: (:func:`trust_region_step`)
+STEP_MAX_KL = 0.5
+#: halvings of such a step before an element keeps its pseudo-observation
+STEP_HALVINGS = 10
+
+
+def gaussian_kl(loc: torch.Tensor, scale: torch.Tensor, loc0: torch.Tensor, scale0: torch.Tensor) -> torch.Tensor:
+    r""":math:`\mathrm{KL}(\mathcal N(m, S S^\top)\,\|\,\mathcal N(m_0, S_0 S_0^\top))`, one per element, with
+    ``scale`` and ``scale0`` the sds ``(..., d)`` or the lower Cholesky factors of the covariances ``(..., d, d)`` (as
+    :func:`gaussian_update` returns them):
+
+    .. math:: \tfrac12\big[\lVert S_0^{-1} S\rVert_F^2 + \lVert S_0^{-1}(m - m_0)\rVert^2 - d\big]
+        + \textstyle\sum_k \log (S_0)_{kk} - \sum_k \log S_{kk}."""
+    d = loc.shape[-1]
+    if scale.dim() == loc.dim():
+        ratio, white = (scale / scale0).pow(2).sum(-1), (loc - loc0) / scale0
+        logdet = scale0.log().sum(-1) - scale.log().sum(-1)
+    else:
+        ratio = torch.linalg.solve_triangular(scale0, scale, upper=False).pow(2).sum((-2, -1))
+        white = torch.linalg.solve_triangular(scale0, (loc - loc0).unsqueeze(-1), upper=False).squeeze(-1)
+        diag, diag0 = scale.diagonal(dim1=-2, dim2=-1), scale0.diagonal(dim1=-2, dim2=-1)
+        logdet = diag0.log().sum(-1) - diag.log().sum(-1)
+    return 0.5 * (ratio + white.pow(2).sum(-1) - d) + logdet
+
+
+def trust_region_step(
+    prior: GaussianPrior,
+    old: tuple[torch.Tensor, torch.Tensor],
+    new: tuple[torch.Tensor, torch.Tensor],
+    q: tuple[torch.Tensor, torch.Tensor] | None = None,
+    max_kl: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""A step of a pseudo-observation from ``old`` :math:`(\Lambda, \eta)` towards ``new`` :math:`(\Lambda', \eta')`:
+    per element the longest of :math:`\rho = 1, \tfrac12, \tfrac14, \dots` (:data:`STEP_HALVINGS` halvings, else
+    :math:`\rho = 0`) whose q is within ``max_kl`` nats (default :data:`STEP_MAX_KL`) of the old q,
+
+    .. math:: (\Lambda_\rho, \eta_\rho) = (1 - \rho)(\Lambda, \eta) + \rho(\Lambda', \eta'), \qquad
+        \mathrm{KL}(q_\rho \,\|\, q) \le \kappa,
+
+    :math:`q_\rho \propto p(u \mid \mathrm{pa})\, \exp(u^\top \eta_\rho - \tfrac12 u^\top \Lambda_\rho u)`
+    (:func:`gaussian_update`; a convex combination keeps :math:`\Lambda_\rho` positive semi-definite). This is Khan &
+    Lin's conjugate-computation step of size :math:`\rho`, which converges for small enough sizes where the full step
+    (the fixed-point iteration of :func:`smoothed_pseudo_observation`) can oscillate and diverge: where the likelihood
+    is not log-concave in the element (a group's location and log noise scale under Normal observations) and the
+    cubature's curvature is far from that of a Gaussian there. Where the full step stays within :math:`\kappa`
+    (typically every step from the Laplace expansion of a log-concave likelihood) it is the full step. ``q``: the old
+    q's ``(loc, scale)`` when already at hand.
+
+    Reference: M. E. Khan, W. Lin, *Conjugate-Computation Variational Inference*, AISTATS 2017."""
+    kappa = STEP_MAX_KL if max_kl is None else max_kl
+    loc0, scale0 = gaussian_update(prior, *old) if q is None else q
+    (info0, nat0), (info1, nat1) = old, new
+    matrix = info0.dim() > nat0.dim()
+    rho = loc0.new_ones(loc0.shape[:-1])
+
+    def at(rho: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        r = rho[..., None, None] if matrix else rho.unsqueeze(-1)
+        return info0 + r * (info1 - info0), nat0 + rho.unsqueeze(-1) * (nat1 - nat0)
+
+    for _ in range(STEP_HALVINGS + 1):
+        info, natural = at(rho)
+        far = ~(gaussian_kl(*gaussian_update(prior, info, natural), loc0, scale0) <= kappa)  # (not finite: far)
+        if not bool(far.any()):
+            return info, natural
+        rho = torch.where(far, 0.5 * rho, rho)
+    return at(torch.where(far, torch.zeros_like(rho), rho))
 
 
 def rebase(

@@ -122,13 +122,16 @@ class GroupedData:
 
 @dataclass(frozen=True)
 class Observation:
-    """One observed site in one run of the model: its value, mask and plates (name → dim)."""
+    """One observed site in one run of the model: its value, mask and plates (name → dim), and ``counts``: the
+    numbers of trials of a binomial observation (``Binomial``/``BetaBinomial`` ``total_count``, broadcast to the
+    value's shape; ``None`` for other likelihoods), without which its value says nothing of the rate."""
 
     name: str
     value: torch.Tensor
     mask: torch.Tensor | None
     event_dim: int
     plates: dict[str, int]
+    counts: torch.Tensor | None = None
 
 
 class _ObservationRecorder(Messenger):
@@ -147,9 +150,11 @@ class _ObservationRecorder(Messenger):
                 mask = inner if mask is None else (mask if inner is None else mask & inner)
             fn = fn.base_dist
         plates = {f.name: f.dim for f in msg["cond_indep_stack"] if f.vectorized and f.dim is not None}
-        self.observations[msg["name"]] = Observation(
-            msg["name"], msg["value"].detach(), mask, msg["fn"].event_dim, plates
-        )
+        value, counts = msg["value"].detach(), None
+        if isinstance(fn, dist.Binomial | dist.BetaBinomial) and msg["fn"].event_dim == 0:
+            counts = torch.as_tensor(fn.total_count, dtype=value.dtype, device=value.device).detach()
+            counts = counts.expand(torch.broadcast_shapes(counts.shape, value.shape))
+        self.observations[msg["name"]] = Observation(msg["name"], value, mask, msg["fn"].event_dim, plates, counts)
 
 
 def _as_mask(mask) -> torch.Tensor | None:
@@ -194,11 +199,17 @@ def observation_features(
     ``batch`` is the site's batch shape in this call, with the dims of enclosing plates that the value broadcasts
     along expanded to the plates' sizes. ``F`` is the observed value's event, flattened, followed by
     ``covariates``: a tensor whose batch dims match the site's in this call, or have a subsampled plate at its full
-    size (the model's indices are then selected)."""
+    size (the model's indices are then selected). A binomial observation's features are its count of successes and
+    its number of trials (``obs.counts``)."""
     value = obs.value.to(dtype) if dtype is not None else obs.value
     if not value.is_floating_point():
         value = value.to(torch.get_default_dtype())
-    batch = value.shape[: value.dim() - obs.event_dim]
+    event_dim = obs.event_dim
+    if obs.counts is not None:  # (successes and trials: one event of two features)
+        counts = obs.counts.to(value.dtype)
+        shape = torch.broadcast_shapes(counts.shape, value.shape)
+        value, event_dim = torch.stack([value.expand(shape), counts.expand(shape)], -1), event_dim + 1
+    batch = value.shape[: value.dim() - event_dim]
     need = max((-d for d in obs.plates.values()), default=0)
     if len(batch) < need:  # a value broadcast along outer plates: give it their dims
         value = value.reshape((1,) * (need - len(batch)) + value.shape)

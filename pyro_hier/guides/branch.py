@@ -713,10 +713,9 @@ class AutoBranchGuide(HierarchicalGuide):
             nodes = self._slope_nodes(level, curvature, moved_curvature)
             had = self._reference(level, "visits", plates, 0) >= 0
             with keep_random_state():  # (where the slopes did not decide it: the model's extra run leaves the state)
-                smoothed = level.name in self._smoothed_levels and not self._rest_quadratic(
-                    level, curvature, moved_curvature
-                )
-            if smoothed and not bool(had.all()):  # new elements start at their conditional mode (Laplace)
+                quadratic = self._rest_quadratic(level, curvature, moved_curvature)
+            smoothed = level.name in self._smoothed_levels and not quadratic
+            if not quadratic and not bool(had.all()):  # new elements start at their conditional mode (Laplace)
                 mode, mode_gradient, mode_curvature = conditional_mode(
                     prior,
                     centres[level.name],
