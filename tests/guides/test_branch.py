@@ -511,9 +511,9 @@ def test_references_that_do_not_move_are_redone_less_often():
     for _ in range(56):
         svi.step(*args, **kwargs)
         refreshes.append(guide._refreshes["users"])
-    # made on the first call (from the initial values), then redone after 10 calls (it moved: the Newton start), and
-    # after longer and longer waits
-    assert [k for k in range(1, 56) if refreshes[k] > refreshes[k - 1]] == [10, 25, 55]
+    # made on the first call at each user's conditional mode (a Bernoulli likelihood: the start of every level whose
+    # likelihood is not quadratic in it), redone after 10 calls (it did not move: the wait doubles), then after 20
+    assert [k for k in range(1, 56) if refreshes[k] > refreshes[k - 1]] == [10, 30]
     assert bool((guide.references.users__backoff.detach() >= 2).all())
 
 
@@ -525,8 +525,9 @@ def test_smoothed_steps_take_logistic_groups_to_their_gaussian_optimum():
     L-BFGS); the previous start (one line-searched Newton step from 0, ``smoothed_expansion=False``) is far from it,
     and Adam's one-particle steps leave it far. Measured (float64, seed 0), max over the 20 groups in the optimum's
     sds: smoothed 0.088 after the first call, 0.140 after 20 steps (full steps cycle between 0.09 and 0.14 on groups
-    this skewed: see SMOOTHED_STEP; the cubature is exact to degree 3); without 1.22 and 0.89; the Laplace mode itself
-    is 0.41 off the optimum. In eager training the level's parameters get no gradient (the smoothed steps set them)."""
+    this skewed: see SMOOTHED_STEP; the cubature is exact to degree 3); without, the groups start at the Laplace mode
+    (0.41 off the optimum; 1.22 from one Newton step before the tenth session) and Adam's steps leave them 0.17 off
+    after 20. In eager training the level's parameters get no gradient (the smoothed steps set them)."""
     dtype = torch.float64
 
     def model(x, y):
@@ -569,7 +570,7 @@ def test_smoothed_steps_take_logistic_groups_to_their_gaussian_optimum():
         last = guide.level_moments(x, y)["groups"][0].reshape(-1)
         errors[smoothed] = [float(((m - optimum).abs() / sd).max()) for m in (first, last)]
     assert max(errors[True]) < 0.16, errors
-    assert min(errors[False]) > 0.4, errors
+    assert errors[False][0] > 0.4 and errors[False][1] > max(errors[True]), errors
 
 
 def test_compiled_steps_warn_that_smoothed_levels_are_held():
