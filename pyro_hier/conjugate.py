@@ -76,6 +76,7 @@ __all__ = [
     "conditional_mode",
     "conjugate_conditional",
     "conjugate_offset",
+    "cubature_points",
     "element_curvature",
     "element_expansion",
     "gaussian_kl",
