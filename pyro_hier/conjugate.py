@@ -508,6 +508,8 @@ def levels_expansion(
             model, args, kwargs, values, [(a_ref, to_ability), (b_ref, to_difficulty)], theta_ref, to_globals, 1.0,
             directions=[((da, None), dv), ((None, db), None)],
         )
+
+    Reference: B. A. Pearlmutter, *Fast Exact Multiplication by the Hessian*, Neural Computation 1994 (the products).
     """
     with torch.enable_grad():
         us = [u.detach().clone().requires_grad_(True) for u, _ in levels]
@@ -1054,7 +1056,14 @@ def gaussian_kl(loc: torch.Tensor, scale: torch.Tensor, loc0: torch.Tensor, scal
     :func:`gaussian_update` returns them):
 
     .. math:: \tfrac12\big[\lVert S_0^{-1} S\rVert_F^2 + \lVert S_0^{-1}(m - m_0)\rVert^2 - d\big]
-        + \textstyle\sum_k \log (S_0)_{kk} - \sum_k \log S_{kk}."""
+        + \textstyle\sum_k \log (S_0)_{kk} - \sum_k \log S_{kk}.
+
+    Example::
+
+        loc, scale = gaussian_update(prior, info, natural)
+        kl = gaussian_kl(loc, scale, loc0, scale0)          # one per element; 0 where the two are equal
+
+    Reference: S. Kullback, R. A. Leibler, *On Information and Sufficiency*, Ann. Math. Statist. 1951."""
     d = loc.shape[-1]
     if scale.dim() == loc.dim():
         ratio, white = (scale / scale0).pow(2).sum(-1), (loc - loc0) / scale0
@@ -1089,6 +1098,11 @@ def trust_region_step(
     cubature's curvature is far from that of a Gaussian there. Where the full step stays within :math:`\kappa`
     (typically every step from the Laplace expansion of a log-concave likelihood) it is the full step. ``q``: the old
     q's ``(loc, scale)`` when already at hand.
+
+    Example::
+
+        new = (new_info, new_natural)                 # what a full fixed-point step proposes
+        info, natural = trust_region_step(prior, (info, natural), new, max_kl=0.5)
 
     Reference: M. E. Khan, W. Lin, *Conjugate-Computation Variational Inference*, AISTATS 2017."""
     kappa = STEP_MAX_KL if max_kl is None else max_kl

@@ -339,7 +339,12 @@ class ModelStructure:
     def descendants(self, sites: Iterable[str]) -> set[str]:
         """The latent and observed sites whose distributions depend on ``sites``, directly or through other sites
         (by :attr:`parents`), ``sites`` themselves excluded: the terms of the joint density a change of ``sites``
-        reaches."""
+        reaches (the Markov blanket's children and everything below them).
+
+        Example::
+
+            structure = inspect_model(model, args, kwargs)
+            structure.descendants(["county_effect"])     # {'log_radon'}: what the county effects' likelihood is"""
         start = set(sites)
         reached: set[str] = set()
         frontier = list(start)
