@@ -23,6 +23,12 @@ effects with an LKJ prior), on synthetic data of a fixed seed, against a referen
   in the counties' plate, homes in a flat plate gathering ``a[county]``, 6 states, 30 counties, 1–15 homes each;
 - ``robust``: a Student-t likelihood with a global ``ν ~ Gamma(2, 0.1)``, group intercepts with a group-level
   predictor, ``a_g ~ N(c0 + c1·u_g, s)``, 30 groups of 2–20 observations.
+- ``negbin``: overdispersed counts, ``y_i ~ GammaPoisson(φ, φ / exp(a[g_i] + b·x_i))`` (a negative binomial with a
+  global concentration ``φ ~ Gamma(2, 0.5)``), ``a_g ~ N(mu, sigma)``, 40 groups of 2–25 observations;
+- ``ordinal``: ratings on a 5-point scale by 30 raters, ``y_i ~ OrderedLogistic(a[r_i] + b·x_i, c)``, ordered
+  cutpoints ``c`` (a Normal pushed through ``OrderedTransform``), ``a_r ~ N(0, sigma)``, 5–20 ratings each;
+- ``gamma``: positive observations, ``y_i ~ Gamma(k, k / exp(a[g_i] + b·x_i))`` (mean ``exp(a + b·x)``, shape
+  ``k ~ Gamma(2, 0.5)``), ``a_g ~ N(mu, tau)``, 30 groups of 2–20 observations.
 
 References are cached on disk (``$PYRO_HIER_CACHE``, default ``~/.cache/pyro_hier``), keyed by the problem's data, its
 model's source and the NUTS settings.
@@ -63,6 +69,7 @@ from collections.abc import Callable
 import pyro
 import pyro.distributions as dist
 import torch
+from pyro.distributions.transforms import OrderedTransform
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dropin import GUIDES, fit_svi, machine, nuts_pyro_samples
@@ -252,6 +259,78 @@ def robust_problem() -> Problem:
     return Problem("robust", model, (u, group, y))
 
 
+def negbin_problem() -> Problem:
+    gen = torch.Generator().manual_seed(19)
+    group = _groups(gen, 40, 2, 25)
+    x = torch.randn(len(group), generator=gen, dtype=torch.float64)
+    a = 1.0 + 0.5 * torch.randn(40, generator=gen, dtype=torch.float64)
+    rate = torch.exp(a[group] + 0.4 * x)
+    with torch.random.fork_rng():
+        torch.manual_seed(19)
+        y = torch.distributions.Poisson(torch.distributions.Gamma(3.0, 3.0 / rate).sample()).sample()
+
+    def model(x, group, y=None):
+        mu = pyro.sample("mu", dist.Normal(x.new_zeros(()), 2.0))
+        sigma = pyro.sample("sigma", dist.HalfNormal(x.new_ones(())))
+        b = pyro.sample("b", dist.Normal(x.new_zeros(()), 1.0))
+        phi = pyro.sample("phi", dist.Gamma(x.new_tensor(2.0), 0.5))
+        with pyro.plate("groups", 40):
+            a = pyro.sample("a", dist.Normal(mu, sigma))
+        with pyro.plate("obs", len(x)):
+            mean = torch.exp(a[..., group] + b * x)
+            pyro.sample("y", dist.GammaPoisson(phi, phi / mean), obs=y)
+
+    return Problem("negbin", model, (x, group, y))
+
+
+def ordinal_problem() -> Problem:
+    gen = torch.Generator().manual_seed(20)
+    rater = _groups(gen, 30, 5, 20)
+    x = torch.randn(len(rater), generator=gen, dtype=torch.float64)
+    a = 0.8 * torch.randn(30, generator=gen, dtype=torch.float64)
+    cut = torch.tensor([-1.5, -0.3, 0.6, 1.8], dtype=torch.float64)
+    with torch.random.fork_rng():
+        torch.manual_seed(20)
+        y = dist.OrderedLogistic(a[rater] + 0.7 * x, cut).sample()
+
+    def model(x, rater, y=None):
+        b = pyro.sample("b", dist.Normal(x.new_zeros(()), 1.0))
+        sigma = pyro.sample("sigma", dist.HalfNormal(x.new_ones(())))
+        cutpoints = pyro.sample(
+            "cutpoints",
+            dist.TransformedDistribution(dist.Normal(x.new_zeros(4), 3.0).to_event(1), [OrderedTransform()]),
+        )
+        with pyro.plate("raters", 30):
+            a = pyro.sample("a", dist.Normal(x.new_zeros(()), sigma))
+        with pyro.plate("ratings", len(x)):
+            pyro.sample("y", dist.OrderedLogistic(a[..., rater] + b * x, cutpoints), obs=y)
+
+    return Problem("ordinal", model, (x, rater, y))
+
+
+def gamma_problem() -> Problem:
+    gen = torch.Generator().manual_seed(21)
+    group = _groups(gen, 30, 2, 20)
+    x = torch.randn(len(group), generator=gen, dtype=torch.float64)
+    a = 0.5 + 0.6 * torch.randn(30, generator=gen, dtype=torch.float64)
+    mean = torch.exp(a[group] + 0.5 * x)
+    with torch.random.fork_rng():
+        torch.manual_seed(21)
+        y = torch.distributions.Gamma(4.0, 4.0 / mean).sample()
+
+    def model(x, group, y=None):
+        mu = pyro.sample("mu", dist.Normal(x.new_zeros(()), 2.0))
+        tau = pyro.sample("tau", dist.HalfNormal(x.new_ones(())))
+        b = pyro.sample("b", dist.Normal(x.new_zeros(()), 1.0))
+        k = pyro.sample("k", dist.Gamma(x.new_tensor(2.0), 0.5))
+        with pyro.plate("groups", 30):
+            a = pyro.sample("a", dist.Normal(mu, tau))
+        with pyro.plate("obs", len(x)):
+            pyro.sample("y", dist.Gamma(k, k / torch.exp(a[..., group] + b * x)), obs=y)
+
+    return Problem("gamma", model, (x, group, y))
+
+
 PROBLEMS: dict[str, Callable[[], Problem]] = {
     "poisson": poisson_problem,
     "binomial": binomial_problem,
@@ -261,6 +340,9 @@ PROBLEMS: dict[str, Callable[[], Problem]] = {
     "beta": beta_problem,
     "nested": nested_problem,
     "robust": robust_problem,
+    "negbin": negbin_problem,
+    "ordinal": ordinal_problem,
+    "gamma": gamma_problem,
 }
 DEFAULT_GUIDES = (
     "AutoNormal",

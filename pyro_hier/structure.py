@@ -26,10 +26,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 
+import pyro
 import torch
 from pyro import poutine
 from pyro.distributions import constraints as pyro_constraints
 from pyro.distributions.torch_distribution import TorchDistributionMixin
+from pyro.poutine.messenger import Messenger
 from pyro.poutine.subsample_messenger import _Subsample
 from torch.distributions import biject_to, constraints
 
@@ -328,11 +330,17 @@ class ModelStructure:
 
     @cached_property
     def parents(self) -> dict[str, tuple[str, ...]]:
-        """Each latent and observed site's latent parents in the model (the sites its distribution depends on)."""
+        """Each latent and observed site's latent parents in the model (the sites its distribution depends on): Pyro's
+        provenance tracking (:attr:`dependencies`) joined with the paths autograd finds (:func:`gradient_parents`).
+        Provenance is lost where a distribution builds its parameters by writing into a fresh tensor (Pyro's
+        ``OrderedLogistic`` fills its probabilities in place, so its observations had no parents and every guide
+        took the cutpoints for unread); a path of gradients from a continuous site's value to another site's log
+        density is a dependence whatever the ops."""
         prior = self.dependencies["prior_dependencies"]
+        found = gradient_parents(self.model, self.args, self.kwargs)
         out = {}
         for name in [*self.latent, *self.observed]:
-            deps = prior.get(name, {})
+            deps = set(prior.get(name, {})) | found.get(name, set())
             out[name] = tuple(p for p in self.latent if p in deps and p != name)
         return out
 
@@ -782,3 +790,60 @@ def _describe_latent(site: dict, common: dict, plate_ancestors: tuple[str, ...])
         unconstrained_event_dim=u_event_dim,
         plate_ancestors=plate_ancestors,
     )
+
+
+class _LeafValues(Messenger):
+    """Replaces every continuous latent sample's value by a detached copy that requires grad, kept in ``leaves``: the
+    leaves whose paths to other sites' log densities :func:`gradient_parents` looks for. (Kept here, not read from
+    a trace: the trace records its copy of the site before this handler's post-processing.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.leaves: dict[str, torch.Tensor] = {}
+
+    def _pyro_post_sample(self, msg: dict) -> None:
+        value = msg["value"]
+        if not msg["is_observed"] and isinstance(value, torch.Tensor) and value.is_floating_point():
+            msg["value"] = self.leaves[msg["name"]] = value.detach().requires_grad_()
+
+
+def gradient_parents(model: Callable, args: tuple = (), kwargs: dict | None = None) -> dict[str, set[str]]:
+    r"""The continuous latent sites each sample site's log density depends on directly, by autograd: one run of the
+    model with every continuous latent value a fresh leaf :math:`z_u` (so paths through other sites' values are cut),
+    then for each site :math:`d` the sites :math:`u` with a path from :math:`z_u` to
+    :math:`\log p(z_d \mid \cdot)` (:func:`torch.autograd.grad` with ``allow_unused``: a structural test, not a value
+    test). Complements :func:`pyro.infer.inspect.get_dependencies`, whose provenance tracking is lost by in-place
+    writes into fresh tensors; discrete parents are left to it.
+
+    Example::
+
+        def model(x, y):
+            c = pyro.sample("c", dist.TransformedDistribution(dist.Normal(torch.zeros(2), 1.0).to_event(1),
+                                                              [OrderedTransform()]))
+            with pyro.plate("n", len(x)):
+                pyro.sample("y", dist.OrderedLogistic(x, c), obs=y)
+
+        gradient_parents(model, (x, y))["y"]      # {'c'} (provenance: none)
+    """
+    kwargs = {} if kwargs is None else kwargs
+    leaves = _LeafValues()
+    with torch.random.fork_rng(), torch.enable_grad(), poutine.block(), pyro.validation_enabled(False):
+        trace = poutine.trace(leaves(model)).get_trace(*args, **kwargs)
+        sites = [m for m in trace.nodes.values() if m["type"] == "sample" and not isinstance(m["fn"], _Subsample)]
+        found: dict[str, set[str]] = {}
+        for i, down in enumerate(sites):
+            ups = [u["name"] for u in sites[:i] if u["name"] in leaves.leaves]
+            if not ups:
+                continue
+            log_prob = down["fn"].log_prob(leaves.leaves.get(down["name"], down["value"]))
+            if not log_prob.requires_grad:
+                found[down["name"]] = set()
+                continue
+            try:
+                grads = torch.autograd.grad(
+                    log_prob.sum(), [leaves.leaves[u] for u in ups], retain_graph=True, allow_unused=True
+                )
+            except RuntimeError:  # (an op without a derivative: this site's parents are provenance's alone)
+                continue
+            found[down["name"]] = {u for u, g in zip(ups, grads, strict=True) if g is not None}
+    return found

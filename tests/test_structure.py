@@ -268,3 +268,28 @@ def test_check_plate_sizes(data):
         check_plate_sizes(calls, {"groups": 12}, "the guide")
     with pytest.raises(StructureError, match="'other' was opened"):
         check_plate_sizes(calls, {"other": 3}, "the guide")
+
+
+def test_parents_survive_a_distribution_that_loses_pyros_provenance():
+    # Pyro's OrderedLogistic writes its probabilities into a fresh tensor, so provenance tracking gives the ratings
+    # no parents and every guide took the cutpoints (and the raters' effects) for unread by the likelihood
+    from pyro.distributions.transforms import OrderedTransform
+
+    from pyro_hier.structure import gradient_parents
+
+    rater = torch.tensor([0, 0, 1, 1, 2, 2])
+    x = torch.linspace(-1, 1, 6)
+    y = torch.tensor([0, 1, 2, 1, 0, 2])
+
+    def model(x, rater, y):
+        b = pyro.sample("b", dist.Normal(0.0, 1.0))
+        c = pyro.sample(
+            "c", dist.TransformedDistribution(dist.Normal(torch.zeros(2), 3.0).to_event(1), [OrderedTransform()])
+        )
+        with pyro.plate("raters", 3):
+            a = pyro.sample("a", dist.Normal(0.0, 1.0))
+        with pyro.plate("ratings", 6):
+            pyro.sample("y", dist.OrderedLogistic(a[..., rater] + b * x, c), obs=y)
+
+    assert gradient_parents(model, (x, rater, y))["y"] == {"a", "b", "c"}
+    assert set(inspect_model(model, (x, rater, y)).parents["y"]) == {"a", "b", "c"}
