@@ -22,6 +22,7 @@ is turned into a plain description, :class:`ModelStructure`:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -828,7 +829,16 @@ def gradient_parents(model: Callable, args: tuple = (), kwargs: dict | None = No
     kwargs = {} if kwargs is None else kwargs
     leaves = _LeafValues()
     with torch.random.fork_rng(), torch.enable_grad(), poutine.block(), pyro.validation_enabled(False):
-        trace = poutine.trace(leaves(model)).get_trace(*args, **kwargs)
+        try:
+            trace = poutine.trace(leaves(model)).get_trace(*args, **kwargs)
+        except RuntimeError as e:  # (a model writing into a site's value in place cannot run on leaves)
+            warnings.warn(
+                f"the model could not be run with its latent values as autograd leaves ({e}); the sites' parents come "
+                "from Pyro's provenance tracking alone, which misses distributions that build their parameters in "
+                "place (OrderedLogistic)",
+                stacklevel=2,
+            )
+            return {}
         sites = [m for m in trace.nodes.values() if m["type"] == "sample" and not isinstance(m["fn"], _Subsample)]
         found: dict[str, set[str]] = {}
         for i, down in enumerate(sites):
