@@ -335,6 +335,10 @@ class ConjugateNormal(CholeskyPrecisionNormal):
             prior_precision.shape[:-1],
         )
         with torch.no_grad():
+            # (detached explicitly: a ``torch.jit`` trace does not record ``no_grad``, and its replay would otherwise
+            # record these products, the factorisation and the solves for autograd and differentiate them backwards)
+            fisher_sd, raw, mean, offset = fisher_sd.detach(), raw.detach(), mean.detach(), offset.detach()
+            prior_loc, prior_precision = prior_loc.detach(), prior_precision.detach()
             self.scale = positive(raw.diagonal(dim1=-2, dim2=-1))
             factor = raw.tril(-1)
             factor.diagonal(dim1=-2, dim2=-1).fill_(1.0)
@@ -511,8 +515,8 @@ class ConjugateScorer(dist.TorchDistribution):
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
         log_q = self.held.log_prob(value)
         loc = self.held.loc
-        with torch.no_grad():
-            r = value - loc
+        with torch.no_grad():  # (detached explicitly: a ``torch.jit`` trace does not record ``no_grad``)
+            r = value.detach() - loc
             m0, p0 = self.prior_loc.detach(), self.prior_precision.detach()
             grad_p0 = 0.5 * self.held.variance - 0.5 * r * r + r * (m0 - loc)
             grad_m0 = p0 * r
