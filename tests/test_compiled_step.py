@@ -52,3 +52,63 @@ def test_conjugate_scorer_gradients_are_the_same_when_replayed():
     grads = [torch.autograd.grad(f(u, m0, p0), (u, m0, p0)) for f in (score, traced)]
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_rows_in_order_are_not_sorted_again_and_any_order_gives_the_same_step(monkeypatch):
+    """``LazyAdam`` steps the rows of a sparse gradient whose rows are increasing (a minibatch's sorted indices) without
+    coalescing it (which sorts), and rows in any order, or read twice, give the step of their coalesced sum."""
+    from pyro_hier.optim import LazyAdam
+    from pyro_hier.sparse import select_elements
+
+    weights = torch.arange(1.0, 4.0).reshape(3, 1, 1)
+    coalesced, original = [], torch.Tensor.coalesce
+    monkeypatch.setattr(torch.Tensor, "coalesce", lambda t: coalesced.append(t) or original(t))
+    results = []
+    for index, reads in ((torch.tensor([0, 2, 5]), 1), (torch.tensor([5, 0, 2]), 1), (torch.tensor([0, 2, 5]), 2)):
+        p = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 12).reshape(6, 1, 2))
+        optimizer = LazyAdam([p], lr=0.1)  # (declares that it reads sparse gradients of p, while it lives)
+        for _ in range(3):
+            order = index.argsort().argsort()
+            loss = sum((select_elements(p, {-2: index}, 1) * weights[order] / reads).pow(2).sum() for _ in range(reads))
+            loss.backward()
+            assert p.grad.is_sparse and not p.grad.is_coalesced()
+            coalesced.clear()
+            optimizer.step()
+            if reads == 1:
+                assert bool(coalesced) == (not bool((index[1:] > index[:-1]).all()))
+            p.grad = None
+        results.append(p.detach())
+    for other in results[1:]:
+        torch.testing.assert_close(other, results[0], rtol=1e-6, atol=1e-7)
+    assert torch.equal(results[0][[1, 3, 4]], torch.linspace(-1.0, 1.0, 12).reshape(6, 1, 2)[[1, 3, 4]])
+
+
+def test_parameters_without_a_gradient_are_not_stepped_but_their_learning_rate_decays():
+    """``pyro_hier.optim.ClippedAdam`` leaves out of ``step`` the parameters without a gradient (a guide's state) and
+    decays their learning rate as ``step`` would: the same updates as Pyro's ``PyroOptim`` over the same optimiser,
+    for a parameter that has a gradient on some steps only."""
+    from pyro.optim import PyroOptim
+
+    from pyro_hier.optim import ClippedAdam, LazyClippedAdam
+
+    args = {"lr": 0.1, "lrd": 0.9}
+    runs = []
+    for optim in (ClippedAdam(args), PyroOptim(LazyClippedAdam, args)):
+        a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+        for step in range(6):
+            (a.pow(2).sum() + (b.pow(3).sum() if step % 3 == 0 else 0.0)).backward()
+            optim([a, b])
+            a.grad = b.grad = None
+        runs.append((optim, a.detach(), b.detach()))
+    (lazy, *new), (_, *old) = runs
+    for x, y in zip(new, old, strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    calls = []
+    for optimizer in lazy.optim_objs.values():
+        optimizer.register_step_pre_hook(lambda opt, args, kwargs: calls.append(opt))
+    c = torch.nn.Parameter(torch.ones(1))
+    lazy([c])  # (its optimiser is made on this first call)
+    a, b = list(lazy.optim_objs)[:2]
+    a.pow(2).sum().backward()
+    lazy([a, b])
+    assert calls == [lazy.optim_objs[a]]
