@@ -2167,18 +2167,21 @@ class _GradientTap(torch.autograd.Function):
             weight = float(probe)
             if weight != 0.0 and grad is not None:
                 table, points, secant = ctx.state
-                index = _element_index(table, dict(zip(ctx.dims, ctx.indices, strict=True)), 1)
-                new = (grad / weight).to(table.dtype).expand(table[index].shape)
+                read, write = _element_access(table, dict(zip(ctx.dims, ctx.indices, strict=True)), 1)
+                old, old_at = read(table), read(points)
+                new = (grad / weight).to(table.dtype).expand(old.shape)
+                at = ctx.u.to(points.dtype)
                 d = new.shape[-1]
-                old, old_at = table[index].reshape(-1, d), points[index].reshape(-1, d)
-                seen = (old != 0).any(-1)
-                moved = (ctx.u.to(points.dtype) - old_at)[seen]
-                change = (new.reshape(-1, d) - old)[seen]
+                # the secant pairs of the elements seen before (a stored gradient): the others' rows are zeroed, which
+                # adds nothing to the sums (a boolean selection of the rows cost a synchronisation and two gathers)
+                seen = (old != 0).any(-1, keepdim=True).to(old.dtype)
+                moved = ((at - old_at) * seen).reshape(-1, d)
+                change = ((new - old) * seen).reshape(-1, d)
                 secant.mul_(SECANT_DECAY)
-                secant[0] += change.mT @ moved
-                secant[1] += moved.mT @ moved
-                table[index] = new
-                points[index] = ctx.u.to(points.dtype).expand(new.shape)
+                secant[0].add_(change.mT @ moved)
+                secant[1].add_(moved.mT @ moved)
+                write(table, new)
+                write(points, at.expand(new.shape))
         return (
             torch.zeros(ctx.u.shape, dtype=ctx.u.dtype, device=ctx.u.device),
             None,
@@ -2317,6 +2320,30 @@ def _as_list(plates) -> list:
 
 def _subsample_size(plate: pyro.plate | PlateCall) -> int:
     return plate.subsample_size
+
+
+def _element_access(
+    buffer: torch.Tensor, selection: dict, event_dim: int
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor, torch.Tensor], None]]:
+    """``(read, write)`` of the elements of ``selection`` in full-size per-element buffers shaped as ``buffer``:
+    ``read(t)`` is ``t[index]`` and ``write(t, v)`` is ``t[index] = v`` for :func:`_element_index`'s ``index``, by
+    ``index_select`` / ``index_copy_`` where one plate is subsampled (the usual minibatch), by that index otherwise."""
+    batch = buffer.dim() - event_dim
+    tensors = [(batch + dim, ix) for dim, ix in selection.items() if ix is not None and buffer.shape[batch + dim] > 1]
+    if len(tensors) == 1:
+        pos, ix = tensors[0]
+        ix = ix.to(buffer.device)
+
+        def write_rows(t: torch.Tensor, v: torch.Tensor) -> None:
+            t.index_copy_(pos, ix, v)
+
+        return (lambda t: t.index_select(pos, ix)), write_rows
+    index = _element_index(buffer, selection, event_dim)
+
+    def write(t: torch.Tensor, v: torch.Tensor) -> None:
+        t[index] = v
+
+    return (lambda t: t[index]), write
 
 
 def _element_index(buffer: torch.Tensor, selection: dict, event_dim: int) -> tuple:
