@@ -2232,7 +2232,7 @@ def _state_tensor(value: torch.Tensor) -> torch.Tensor:
 
 def _raw_state(module: PyroModule, name: str) -> torch.Tensor:
     """The tensor behind ``module``'s real-valued ``PyroParam`` ``name``, read without Pyro seeing a parameter."""
-    return module.get_parameter(f"{name}_unconstrained")
+    return module._parameters[f"{name}_unconstrained"]  # (direct: no attribute walk, in every backward pass)
 
 
 def _state_hook(guide: weakref.ref, key: str, value: torch.Tensor) -> None:
