@@ -112,3 +112,37 @@ def test_parameters_without_a_gradient_are_not_stepped_but_their_learning_rate_d
     a.pow(2).sum().backward()
     lazy([a, b])
     assert calls == [lazy.optim_objs[a]]
+
+
+def test_control_variate_summary_is_kept_up_to_date_and_made_again_after_other_writes():
+    """The sums of the control variate's table and points over all elements and the shared curvature are held between
+    calls and updated by the tap's backward pass (O(B) a call): after training steps, eager and compiled, they equal
+    those of the tensors; written by anything else, they are made again."""
+    import pyro
+    from pyro.infer import SVI, JitTrace_ELBO, Trace_ELBO
+
+    import pyro_hier.optim
+    from pyro_hier import AutoBranchGuide
+    from pyro_hier.guides.branch import _held_summary, _raw_state, _table_summary, shared_curvature
+    from pyro_hier.problems import synthetic_regression
+
+    p = synthetic_regression(num_groups=30, num_obs=5, dim=2, seed=0, dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    for elbo in (Trace_ELBO(), JitTrace_ELBO(ignore_jit_warnings=True)):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        guide = AutoBranchGuide(p.model)
+        svi = SVI(p.model, guide, pyro_hier.optim.Adam({"lr": 0.05}), elbo)
+        for _ in range(8):
+            svi.step(*p.args, torch.randperm(30, generator=g)[:6])
+        state = [_raw_state(guide.references, f"groups__cv_{key}") for key in ("gradient", "point", "secant")]
+        assert _held_summary(*state) is not None  # (kept up to date by the backward passes, not made again)
+        table, points, secant = state
+        exact = (table.sum((0, 1)), points.sum((0, 1)), shared_curvature(secant))
+        assert table.abs().sum() > 0
+        for a, b in zip(_table_summary(*state), exact, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        with torch.no_grad():
+            table[3] += 1.0
+        assert _held_summary(*state) is None
+        torch.testing.assert_close(_table_summary(*state)[0], exact[0] + 1.0, rtol=1e-12, atol=1e-12)

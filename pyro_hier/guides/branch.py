@@ -1656,14 +1656,18 @@ class AutoBranchGuide(HierarchicalGuide):
         scale = math.prod(self.structure.plates[p].size for p in level.plates) / max(
             1, math.prod(_subsample_size(plates[p]) for p in level.plates)
         )
-        every, call = tuple(range(table.dim() - 1)), tuple(range(rows.dim() - 1))
-        c = table.detach().sum(every) - scale * rows.sum(call)
-        shift = points.detach().sum(every) - scale * at.sum(call)
-        c = c - (shared_curvature(secant.detach()) @ shift.unsqueeze(-1)).squeeze(-1)
+        call = tuple(range(rows.dim() - 1))
+        dims = tuple(dim for dim, ix in selection.items() if ix is not None)
+        # (the table's sums over all elements and the shared curvature, state that only the tap's backward pass
+        # changes, come from the tap: kept up to date there, O(B) a call rather than O(N))
+        copies, probe, table_sum, points_sum, curvature = _GradientTap.apply(
+            u_g, rows, table, points, secant, dims, *(selection[d] for d in dims)
+        )
+        c = table_sum - scale * rows.sum(call)
+        shift = points_sum - scale * at.sum(call)
+        c = c - (curvature @ shift.unsqueeze(-1)).squeeze(-1)
         term = -(c * u_g).sum()  # (the guide's log density gets -c.θ: the ELBO +c.θ)
         term = term - term.detach()
-        dims = tuple(dim for dim, ix in selection.items() if ix is not None)
-        copies, probe = _GradientTap.apply(u_g, rows, table, points, secant, dims, *(selection[d] for d in dims))
         fn = q.sampler if isinstance(q, StickingTheLanding) else q
         while isinstance(fn, dist.Independent):
             fn = fn.base_dist
@@ -2149,39 +2153,48 @@ class AutoBranchGuide(HierarchicalGuide):
 
 
 class _GradientTap(torch.autograd.Function):
-    """``(copies, probe) = _GradientTap.apply(u, rows, table, points, secant, dims, *indices)``: per-element copies of
-    the globals' draw ``u (d_g,)`` shaped as ``rows (..., d_g)`` (the call's rows of ``table``) and a scalar 1. The
-    backward pass gives ``u`` no gradient; it writes each copy's gradient, divided by the probe's (the loss's own weight
-    on the term: 1/particles), into ``table`` and the draw into ``points``, at the call's elements (``indices`` of the
-    plates at ``dims``), and adds the secant pairs of the elements seen before (gradient and draw moved since their
-    last visit) to ``secant`` (:func:`shared_curvature`)."""
+    """``(copies, probe, table_sum, points_sum, curvature) = _GradientTap.apply(u, rows, table, points, secant, dims,
+    *indices)``: per-element copies of the globals' draw ``u (d_g,)`` shaped as ``rows (..., d_g)`` (the call's rows of
+    ``table``), a scalar 1, and (without gradient) the sums of ``table`` and ``points`` over all their elements and
+    :func:`shared_curvature` of ``secant``, as they are when the forward pass runs (:func:`_table_summary`). The
+    backward pass gives ``u`` no gradient; it writes each copy's gradient, divided by the probe's (the loss's own
+    weight on the term: 1/particles), into ``table`` and the draw into ``points``, at the call's elements (``indices``
+    of the plates at ``dims``), adds the secant pairs of the elements seen before (gradient and draw moved since their
+    last visit) to ``secant`` (:func:`shared_curvature`), and brings the summary up to date with what it wrote."""
 
     @staticmethod
     def forward(ctx, u, rows, table, points, secant, dims, *indices):
         ctx.state, ctx.dims, ctx.indices, ctx.u = (table, points, secant), dims, indices, u.detach()
-        return u.detach().expand(rows.shape).clone(), u.new_ones(())
+        summary = tuple(t.clone() for t in _table_summary(table, points, secant))
+        ctx.mark_non_differentiable(*summary)
+        return (u.detach().expand(rows.shape).clone(), u.new_ones(()), *summary)
 
     @staticmethod
-    def backward(ctx, grad, probe):
+    def backward(ctx, grad, probe, *_):
         with torch.no_grad():
             weight = float(probe)
             if weight != 0.0 and grad is not None:
                 table, points, secant = ctx.state
-                read, write = _element_access(table, dict(zip(ctx.dims, ctx.indices, strict=True)), 1)
+                held = _held_summary(table, points, secant)  # (before the writes below)
+                selection = dict(zip(ctx.dims, ctx.indices, strict=True))
+                read, write = _element_access(table, selection, 1)
                 old, old_at = read(table), read(points)
                 new = (grad / weight).to(table.dtype).expand(old.shape)
                 at = ctx.u.to(points.dtype)
                 d = new.shape[-1]
+                change, moved = (new - old).reshape(-1, d), (at - old_at).reshape(-1, d)
                 # the secant pairs of the elements seen before (a stored gradient): the others' rows are zeroed, which
                 # adds nothing to the sums (a boolean selection of the rows cost a synchronisation and two gathers)
-                seen = (old != 0).any(-1, keepdim=True).to(old.dtype)
-                moved = ((at - old_at) * seen).reshape(-1, d)
-                change = ((new - old) * seen).reshape(-1, d)
+                seen = (old != 0).any(-1).reshape(-1, 1).to(old.dtype)
+                seen_change, seen_moved = change * seen, moved * seen
                 secant.mul_(SECANT_DECAY)
-                secant[0].add_(change.mT @ moved)
-                secant[1].add_(moved.mT @ moved)
+                secant[0].add_(seen_change.mT @ seen_moved)
+                secant[1].add_(seen_moved.mT @ seen_moved)
                 write(table, new)
                 write(points, at.expand(new.shape))
+                if held is not None and all(_distinct(ix) for ix in ctx.indices):  # (each element written once)
+                    sums = (held[0] + change.sum(0, dtype=torch.float64), held[1] + moved.sum(0, dtype=torch.float64))
+                    _hold_summary(table, points, secant, *sums)
         return (
             torch.zeros(ctx.u.shape, dtype=ctx.u.dtype, device=ctx.u.device),
             None,
@@ -2191,6 +2204,67 @@ class _GradientTap(torch.autograd.Function):
             None,
             *([None] * len(ctx.indices)),
         )
+
+
+#: id(table) -> (weak references to a control variate's table, points and secant, their versions, the sums of the
+#: table and the points over all elements (float64) and the secant's shared curvature): see :func:`_table_summary`
+_SUMMARIES: dict[int, tuple] = {}
+
+
+def _held_summary(
+    table: torch.Tensor, points: torch.Tensor, secant: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The held summary of a control variate's state (``(table sum, points sum, curvature)``), if it is that of these
+    tensors as they are now: the same tensors, none written since (their version counters, which every in-place write
+    advances, as when it was made)."""
+    entry = _SUMMARIES.get(id(table))
+    if entry is None or entry[0]() is not table or entry[1]() is not points or entry[2]() is not secant:
+        return None
+    if entry[3] != (table._version, points._version, secant._version):
+        return None
+    return entry[4:]
+
+
+def _hold_summary(
+    table: torch.Tensor, points: torch.Tensor, secant: torch.Tensor, table_sum: torch.Tensor, points_sum: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    key = id(table)
+    summary = (table_sum, points_sum, shared_curvature(secant.detach()))
+    forget = weakref.ref(table, lambda ref, key=key: _forget_summary(key, ref))
+    refs = (forget, weakref.ref(points), weakref.ref(secant))
+    _SUMMARIES[key] = (*refs, (table._version, points._version, secant._version), *summary)
+    return summary
+
+
+def _forget_summary(key: int, ref: weakref.ref) -> None:
+    entry = _SUMMARIES.get(key)
+    if entry is not None and entry[0] is ref:
+        del _SUMMARIES[key]
+
+
+def _table_summary(
+    table: torch.Tensor, points: torch.Tensor, secant: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""``(\sum_i T_i, \sum_i \theta_i, \bar H)`` of a control variate's state
+    (:meth:`AutoBranchGuide._control_variate_term`): the table's and the points' sums over all elements (in their
+    dtype) and :func:`shared_curvature` of the secant.
+    Held between calls and kept up to date by :class:`_GradientTap`'s backward pass, which adds what it writes (in
+    float64): O(B) a training call instead of two sums over all :math:`N` elements and a solve (at :math:`N = 10^5`
+    groups the sums were about a millisecond of each step); made again from the tensors when they were written by
+    anything else, or are other tensors (loaded, copied, unpickled)."""
+    held = _held_summary(table, points, secant)
+    if held is None:
+        every = tuple(range(table.dim() - 1))
+        sums = (table.detach().sum(every, dtype=torch.float64), points.detach().sum(every, dtype=torch.float64))
+        held = _hold_summary(table, points, secant, *sums)
+    return held[0].to(table.dtype), held[1].to(points.dtype), held[2]
+
+
+def _distinct(index: torch.Tensor) -> bool:
+    """Whether the indices are distinct (increasing ones without a sort)."""
+    if index.numel() < 2 or bool((index[1:] > index[:-1]).all()):
+        return True
+    return index.unique().numel() == index.numel()
 
 
 def shared_curvature(secant: torch.Tensor) -> torch.Tensor:
