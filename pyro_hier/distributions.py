@@ -449,13 +449,15 @@ class HeldConjugateNormal(ConjugateNormal):
         batch = torch.broadcast_shapes(
             root.shape[:-2], precision.shape[:-2], natural.shape[:-1], prior_loc.shape[:-1], prior_precision.shape[:-1]
         )
-        with torch.no_grad():
+        with torch.no_grad():  # (inputs detached explicitly: a ``torch.jit`` trace does not record ``no_grad``)
+            precision, natural_held = precision.detach(), natural.detach()
+            prior_loc_held, prior_precision_held = prior_loc.detach(), prior_precision.detach()
             total = precision.expand((*batch, d, d)).clone()
-            total.diagonal(dim1=-2, dim2=-1).add_(prior_precision)
+            total.diagonal(dim1=-2, dim2=-1).add_(prior_precision_held)
             tril = torch.linalg.cholesky(total)
             eye = torch.eye(d, dtype=tril.dtype, device=tril.device)
             inverse_tril = torch.linalg.solve_triangular(tril, eye, upper=False)
-            loc = _inverse_solve(inverse_tril, prior_precision * prior_loc + natural)
+            loc = _inverse_solve(inverse_tril, prior_precision_held * prior_loc_held + natural_held)
         self.fisher_sd, self.raw = root, natural.new_zeros((d, d))  # (L = I: raw W = 0)
         self.mean_param, self.offset = natural.new_zeros((d,)).expand(natural.shape), natural
         self.prior_loc, self.prior_precision = prior_loc, prior_precision

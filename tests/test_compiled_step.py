@@ -38,6 +38,23 @@ def test_conjugate_normal_held_parts_have_no_gradient_when_replayed():
         assert not a.requires_grad and not b.requires_grad
 
 
+def test_held_conjugate_normal_held_parts_have_no_gradient_when_replayed():
+    """The same for :class:`HeldConjugateNormal`, whose prior part is live."""
+    from pyro_hier.distributions import HeldConjugateNormal
+
+    root, ref_loc, _, _, _, m0, p0 = _parts()
+    lam = root @ root.mT
+
+    def held(m0, p0):
+        q = HeldConjugateNormal(root, lam, ref_loc, m0, p0)
+        return q.loc, q.precision_tril, q.inverse_tril
+
+    traced = torch.jit.trace(held, (m0, p0), check_trace=False)
+    for a, b in zip(held(m0, p0), traced(m0, p0), strict=True):
+        torch.testing.assert_close(a, b)
+        assert not a.requires_grad and not b.requires_grad
+
+
 def test_conjugate_scorer_gradients_are_the_same_when_replayed():
     """The scorer's closed-form gradient terms are held; its gradients in the draw and the prior are the same eager and
     replayed from a trace."""
