@@ -2193,7 +2193,8 @@ class _GradientTap(torch.autograd.Function):
                 write(table, new)
                 write(points, at.expand(new.shape))
                 if held is not None and all(_distinct(ix) for ix in ctx.indices):  # (each element written once)
-                    sums = (held[0] + change.sum(0, dtype=torch.float64), held[1] + moved.sum(0, dtype=torch.float64))
+                    acc = held[0].dtype
+                    sums = (held[0] + change.sum(0, dtype=acc), held[1] + moved.sum(0, dtype=acc))
                     _hold_summary(table, points, secant, *sums)
         return (
             torch.zeros(ctx.u.shape, dtype=ctx.u.dtype, device=ctx.u.device),
@@ -2247,15 +2248,16 @@ def _table_summary(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     r"""``(\sum_i T_i, \sum_i \theta_i, \bar H)`` of a control variate's state
     (:meth:`AutoBranchGuide._control_variate_term`): the table's and the points' sums over all elements (in their
-    dtype) and :func:`shared_curvature` of the secant.
-    Held between calls and kept up to date by :class:`_GradientTap`'s backward pass, which adds what it writes (in
-    float64): O(B) a training call instead of two sums over all :math:`N` elements and a solve (at :math:`N = 10^5`
-    groups the sums were about a millisecond of each step); made again from the tensors when they were written by
-    anything else, or are other tensors (loaded, copied, unpickled)."""
+    dtype) and :func:`shared_curvature` of the secant. Held between calls and kept up to date by
+    :class:`_GradientTap`'s backward pass, which adds what it writes (in float64, but on MPS): O(B) a training call
+    instead of two sums over all :math:`N` elements and a solve (at :math:`N = 10^5` groups the sums were about a
+    millisecond of each step); made again from the tensors when they were written by anything else, or are other
+    tensors (loaded, copied, unpickled)."""
     held = _held_summary(table, points, secant)
     if held is None:
         every = tuple(range(table.dim() - 1))
-        sums = (table.detach().sum(every, dtype=torch.float64), points.detach().sum(every, dtype=torch.float64))
+        acc = table.dtype if table.device.type == "mps" else torch.float64  # (MPS has no float64)
+        sums = (table.detach().sum(every, dtype=acc), points.detach().sum(every, dtype=acc))
         held = _hold_summary(table, points, secant, *sums)
     return held[0].to(table.dtype), held[1].to(points.dtype), held[2]
 
