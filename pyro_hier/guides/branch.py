@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 import weakref
@@ -1843,14 +1844,18 @@ class AutoBranchGuide(HierarchicalGuide):
         leaves = {"count": next(iter(self.locs.parameters()))}
         if self._global_level is not None:
             leaves.update(self._global_leaves())
+        todo: dict[int, tuple[torch.Tensor, list[str]]] = {}  # (one hook per tensor: the count shares the loc's)
         for key, leaf in leaves.items():
             leaf = _state_tensor(leaf)
             ref = self._hooked.get(key)
             if (ref is not None and ref() is leaf) or not leaf.requires_grad:
                 continue
             self._hooked[key] = weakref.ref(leaf)
-            guide = weakref.ref(self)
-            leaf.register_post_accumulate_grad_hook(lambda t, key=key, guide=guide: _state_hook(guide, key, t))
+            todo.setdefault(id(leaf), (leaf, []))[1].append(key)
+        guide = weakref.ref(self)
+        for leaf, keys in todo.values():
+            hook = functools.partial(_state_hook, guide, tuple(keys))
+            leaf.register_post_accumulate_grad_hook(hook)
 
     @torch.no_grad()
     def _after_backward(self, key: str, value: torch.Tensor) -> None:
@@ -2311,10 +2316,13 @@ def _raw_state(module: PyroModule, name: str) -> torch.Tensor:
     return module._parameters[f"{name}_unconstrained"]  # (direct: no attribute walk, in every backward pass)
 
 
-def _state_hook(guide: weakref.ref, key: str, value: torch.Tensor) -> None:
+def _state_hook(guide: weakref.ref, keys: tuple[str, ...], value: torch.Tensor) -> None:
+    """A gradient reached a hooked parameter ``value``: :meth:`AutoBranchGuide._after_backward` for each of its
+    ``keys``."""
     live = guide()
     if live is not None:
-        live._after_backward(key, value)
+        for key in keys:  # (in the order they were hooked: the count before the loc's average)
+            live._after_backward(key, value)
 
 
 def _accumulate_moments(acc: list, level: PlateLevel, tr, guide: AutoBranchGuide, size: int) -> None:
