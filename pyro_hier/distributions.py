@@ -213,48 +213,46 @@ def _precision_solve(tril: torch.Tensor, vector: torch.Tensor) -> torch.Tensor:
 
 class _PerturbedDraw(torch.autograd.Function):
     r"""The draw of :class:`ConjugateNormal`, :math:`u = \ell + P^{-1}(A\varepsilon_1 + \sqrt{p_0}\odot\varepsilon_2)`,
-    from its held parts (``held``: :math:`\ell`, :math:`C^{-1}`, :math:`A`, :math:`L`, :math:`s`, :math:`A^\top M`),
-    with the gradients of its class docstring in the differentiable inputs ``raw, fisher_sd, mean, offset,
-    prior_precision, prior_loc``."""
+    given (``u``, made from the held parts without gradient, by :func:`_perturbed_parts`), with the gradients of its
+    class docstring in the differentiable inputs ``raw, fisher_sd, mean, offset, prior_precision, prior_loc``.
+    ``parts``: what the backward pass reads besides the incoming gradient, all computed in the forward pass
+    (:math:`C^{-1}`, :math:`A`, :math:`L`, :math:`s`, :math:`R`, :math:`M - u`,
+    :math:`\varepsilon_1 + A^\top M - A^\top u`, :math:`m_0 - u + \varepsilon_2 / (2\sqrt{p_0})`, :math:`p_0`): the
+    forward pass is then the return of ``u`` alone, and under a ``torch.jit`` trace their arithmetic is replayed by the
+    graph rather than in Python."""
 
     @staticmethod
-    def forward(ctx, raw, fisher_sd, mean, offset, prior_precision, prior_loc, eps_root, eps_prior, *held):
-        loc, inverse_tril, root = held[:3]
-        noise = _mv(root, eps_root) + prior_precision.detach().sqrt() * eps_prior
-        u = loc + _inverse_solve(inverse_tril, noise)
-        parts = (fisher_sd, mean, prior_precision, prior_loc)
-        ctx.save_for_backward(*(t.detach() for t in parts), *held, eps_root, eps_prior, u)
+    def forward(ctx, raw, fisher_sd, mean, offset, prior_precision, prior_loc, u, *parts):
+        ctx.save_for_backward(*parts)
         ctx.shapes = [t.shape for t in (raw, fisher_sd, mean, offset, prior_precision, prior_loc)]
-        return u
+        return u.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        fisher_sd, mean, p0, m0, _, inverse_tril, root, factor, scale, root_mean, eps_root, eps_prior, u = (
-            ctx.saved_tensors
-        )
+        inverse_tril, root, factor, scale, fisher_sd, mean_gap, right_first, prior_weight, p0 = ctx.saved_tensors
         v = _inverse_solve(inverse_tril, grad)  # P⁻¹ ḡ
         batch = v.shape[:-1]
-        root = root.expand((*batch, *root.shape[-2:]))
-        root_uv = root.mT @ torch.stack([u, v], -1)  # (Aᵀu, Aᵀv)
-        root_v = root_uv[..., 1]
+        root_v = _mv(root.expand((*batch, *root.shape[-2:])).mT, v)  # Aᵀv
         # ∂/∂A = X Yᵀ, X = (v, M − u), Y = (ε₁ + AᵀM − Aᵀu, Aᵀv): from b and from P (∂/∂P = −v uᵀ)
-        left = torch.stack([v, mean - u], -1)
-        right = torch.stack([eps_root + root_mean - root_uv[..., 0], root_v], -1)
+        left = torch.stack([v, mean_gap.expand(v.shape)], -1)
+        right = torch.stack([right_first.expand(v.shape), root_v], -1)
         needs = ctx.needs_input_grad
         grad_raw = grad_sd = None
+        if needs[0] or needs[1]:
+            factor_right = factor @ right  # L Y
         if needs[0]:  # A = R L, L = diag(s)(I + tril₋₁(W)), s = exp(diag W)
             r_left = fisher_sd.mT @ left  # Rᵀ X: ∂L = Rᵀ X Yᵀ
             grad_raw = (scale.unsqueeze(-1) * r_left) @ right.mT  # s ⊙ ∂L, then the strict lower triangle of it
             grad_raw = grad_raw.tril_(-1)
-            grad_raw.diagonal(dim1=-2, dim2=-1).copy_((r_left * (factor @ right)).sum(-1))  # Σ_j ∂L_ij L_ij
+            grad_raw.diagonal(dim1=-2, dim2=-1).copy_((r_left * factor_right).sum(-1))  # Σ_j ∂L_ij L_ij
             grad_raw = _sum_to(grad_raw, ctx.shapes[0])
         if needs[1]:  # ∂R = ∂A Lᵀ
-            grad_sd = _sum_to(left @ (factor @ right).mT, ctx.shapes[1])
+            grad_sd = _sum_to(left @ factor_right.mT, ctx.shapes[1])
         grad_mean = _sum_to(_mv(root, root_v), ctx.shapes[2]) if needs[2] else None
         grad_offset = _sum_to(v, ctx.shapes[3]) if needs[3] else None
-        grad_p0 = _sum_to(v * (m0 - u) + v * eps_prior * (0.5 * p0.rsqrt()), ctx.shapes[4]) if needs[4] else None
+        grad_p0 = _sum_to(v * prior_weight, ctx.shapes[4]) if needs[4] else None
         grad_m0 = _sum_to(v * p0, ctx.shapes[5]) if needs[5] else None
-        return grad_raw, grad_sd, grad_mean, grad_offset, grad_p0, grad_m0, None, None, *(None for _ in range(6))
+        return grad_raw, grad_sd, grad_mean, grad_offset, grad_p0, grad_m0, None, *(None for _ in range(9))
 
 
 class ConjugateNormal(CholeskyPrecisionNormal):
@@ -335,6 +333,10 @@ class ConjugateNormal(CholeskyPrecisionNormal):
             prior_precision.shape[:-1],
         )
         with torch.no_grad():
+            # (detached explicitly: a ``torch.jit`` trace does not record ``no_grad``, and its replay would otherwise
+            # record these products, the factorisation and the solves for autograd and differentiate them backwards)
+            fisher_sd, raw, mean, offset = fisher_sd.detach(), raw.detach(), mean.detach(), offset.detach()
+            prior_loc, prior_precision = prior_loc.detach(), prior_precision.detach()
             self.scale = positive(raw.diagonal(dim1=-2, dim2=-1))
             factor = raw.tril(-1)
             factor.diagonal(dim1=-2, dim2=-1).fill_(1.0)
@@ -356,16 +358,23 @@ class ConjugateNormal(CholeskyPrecisionNormal):
     def rsample(self, sample_shape: tuple[int, ...] = ()) -> torch.Tensor:
         shape = self._extended_shape(sample_shape)
         eps_root, eps_prior = _standard_normal((2, *shape), dtype=self.loc.dtype, device=self.loc.device)
+        with torch.no_grad():  # (the draw and what its backward pass reads: from held or detached parts alone)
+            mean, p0, m0 = self.mean_param.detach(), self.prior_precision.detach(), self.prior_loc.detach()
+            noise = _mv(self.root, eps_root) + p0.sqrt() * eps_prior
+            u = self.loc + _inverse_solve(self._inverse_tril, noise)
+            parts = (
+                self._inverse_tril,
+                self.root,
+                self.factor,
+                self.scale,
+                self.fisher_sd.detach(),
+                mean - u,  # M − u
+                eps_root + self.root_mean - _mv(self.root.mT, u),  # ε₁ + AᵀM − Aᵀu
+                m0 - u + eps_prior * (0.5 * p0.rsqrt()),  # ∂u/∂p₀ = v ⊙ (m₀ − u + ε₂ / (2√p₀))
+                p0,
+            )
         return _PerturbedDraw.apply(
-            self.raw,
-            self.fisher_sd,
-            self.mean_param,
-            self.offset,
-            self.prior_precision,
-            self.prior_loc,
-            eps_root,
-            eps_prior,
-            *(self.loc, self._inverse_tril, self.root, self.factor, self.scale, self.root_mean),
+            self.raw, self.fisher_sd, self.mean_param, self.offset, self.prior_precision, self.prior_loc, u, *parts
         )
 
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
@@ -440,13 +449,15 @@ class HeldConjugateNormal(ConjugateNormal):
         batch = torch.broadcast_shapes(
             root.shape[:-2], precision.shape[:-2], natural.shape[:-1], prior_loc.shape[:-1], prior_precision.shape[:-1]
         )
-        with torch.no_grad():
+        with torch.no_grad():  # (inputs detached explicitly: a ``torch.jit`` trace does not record ``no_grad``)
+            precision, natural_held = precision.detach(), natural.detach()
+            prior_loc_held, prior_precision_held = prior_loc.detach(), prior_precision.detach()
             total = precision.expand((*batch, d, d)).clone()
-            total.diagonal(dim1=-2, dim2=-1).add_(prior_precision)
+            total.diagonal(dim1=-2, dim2=-1).add_(prior_precision_held)
             tril = torch.linalg.cholesky(total)
             eye = torch.eye(d, dtype=tril.dtype, device=tril.device)
             inverse_tril = torch.linalg.solve_triangular(tril, eye, upper=False)
-            loc = _inverse_solve(inverse_tril, prior_precision * prior_loc + natural)
+            loc = _inverse_solve(inverse_tril, prior_precision_held * prior_loc_held + natural_held)
         self.fisher_sd, self.raw = root, natural.new_zeros((d, d))  # (L = I: raw W = 0)
         self.mean_param, self.offset = natural.new_zeros((d,)).expand(natural.shape), natural
         self.prior_loc, self.prior_precision = prior_loc, prior_precision
@@ -511,8 +522,8 @@ class ConjugateScorer(dist.TorchDistribution):
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
         log_q = self.held.log_prob(value)
         loc = self.held.loc
-        with torch.no_grad():
-            r = value - loc
+        with torch.no_grad():  # (detached explicitly: a ``torch.jit`` trace does not record ``no_grad``)
+            r = value.detach() - loc
             m0, p0 = self.prior_loc.detach(), self.prior_precision.detach()
             grad_p0 = 0.5 * self.held.variance - 0.5 * r * r + r * (m0 - loc)
             grad_m0 = p0 * r

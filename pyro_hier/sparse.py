@@ -139,13 +139,16 @@ class _SelectRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, value: torch.Tensor, rows: int, *indices: torch.Tensor) -> torch.Tensor:
+        ctx.param = weakref.ref(value)
+        ctx.shape = value.shape
+        ctx.rows = rows
+        if rows == 1:  # (one plate of rows: its indices are the row numbers)
+            ctx.save_for_backward(indices[0], indices[0])
+            return value.index_select(0, indices[0])
         shape = value.shape[:rows]
         flat = _flat_rows(indices, shape)  # (n_0, …, n_{rows-1})
         rest = value.shape[rows:]
         out = value.reshape((-1, *rest)).index_select(0, flat.reshape(-1))
-        ctx.param = weakref.ref(value)
-        ctx.shape = value.shape
-        ctx.rows = rows
         ctx.save_for_backward(flat, *indices)
         return out.reshape((*flat.shape, *rest))
 
@@ -159,8 +162,11 @@ class _SelectRows(torch.autograd.Function):
         param = ctx.param()
         none = (None,) * (1 + len(indices))
         if param is not None and sparse_grad_consumed(param):
-            grid = [i.reshape((-1,) + (1,) * (rows - 1 - k)).expand(flat.shape) for k, i in enumerate(indices)]
-            grid = torch.stack(grid).reshape(rows, -1)
+            if rows == 1:
+                grid = indices[0].unsqueeze(0)
+            else:
+                grid = [i.reshape((-1,) + (1,) * (rows - 1 - k)).expand(flat.shape) for k, i in enumerate(indices)]
+                grid = torch.stack(grid).reshape(rows, -1)
             return (torch.sparse_coo_tensor(grid, values, shape, check_invariants=False), *none)
         dense = values.new_zeros((math.prod(shape[:rows]), *rest)).index_add_(0, flat.reshape(-1), values)
         return (dense.reshape(shape), *none)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 import weakref
@@ -1656,14 +1657,18 @@ class AutoBranchGuide(HierarchicalGuide):
         scale = math.prod(self.structure.plates[p].size for p in level.plates) / max(
             1, math.prod(_subsample_size(plates[p]) for p in level.plates)
         )
-        every, call = tuple(range(table.dim() - 1)), tuple(range(rows.dim() - 1))
-        c = table.detach().sum(every) - scale * rows.sum(call)
-        shift = points.detach().sum(every) - scale * at.sum(call)
-        c = c - (shared_curvature(secant.detach()) @ shift.unsqueeze(-1)).squeeze(-1)
+        call = tuple(range(rows.dim() - 1))
+        dims = tuple(dim for dim, ix in selection.items() if ix is not None)
+        # (the table's sums over all elements and the shared curvature, state that only the tap's backward pass
+        # changes, come from the tap: kept up to date there, O(B) a call rather than O(N))
+        copies, probe, table_sum, points_sum, curvature = _GradientTap.apply(
+            u_g, rows, table, points, secant, dims, *(selection[d] for d in dims)
+        )
+        c = table_sum - scale * rows.sum(call)
+        shift = points_sum - scale * at.sum(call)
+        c = c - (curvature @ shift.unsqueeze(-1)).squeeze(-1)
         term = -(c * u_g).sum()  # (the guide's log density gets -c.θ: the ELBO +c.θ)
         term = term - term.detach()
-        dims = tuple(dim for dim, ix in selection.items() if ix is not None)
-        copies, probe = _GradientTap.apply(u_g, rows, table, points, secant, dims, *(selection[d] for d in dims))
         fn = q.sampler if isinstance(q, StickingTheLanding) else q
         while isinstance(fn, dist.Independent):
             fn = fn.base_dist
@@ -1839,14 +1844,18 @@ class AutoBranchGuide(HierarchicalGuide):
         leaves = {"count": next(iter(self.locs.parameters()))}
         if self._global_level is not None:
             leaves.update(self._global_leaves())
+        todo: dict[int, tuple[torch.Tensor, list[str]]] = {}  # (one hook per tensor: the count shares the loc's)
         for key, leaf in leaves.items():
             leaf = _state_tensor(leaf)
             ref = self._hooked.get(key)
             if (ref is not None and ref() is leaf) or not leaf.requires_grad:
                 continue
             self._hooked[key] = weakref.ref(leaf)
-            guide = weakref.ref(self)
-            leaf.register_post_accumulate_grad_hook(lambda t, key=key, guide=guide: _state_hook(guide, key, t))
+            todo.setdefault(id(leaf), (leaf, []))[1].append(key)
+        guide = weakref.ref(self)
+        for leaf, keys in todo.values():
+            hook = functools.partial(_state_hook, guide, tuple(keys))
+            leaf.register_post_accumulate_grad_hook(hook)
 
     @torch.no_grad()
     def _after_backward(self, key: str, value: torch.Tensor) -> None:
@@ -2149,36 +2158,49 @@ class AutoBranchGuide(HierarchicalGuide):
 
 
 class _GradientTap(torch.autograd.Function):
-    """``(copies, probe) = _GradientTap.apply(u, rows, table, points, secant, dims, *indices)``: per-element copies of
-    the globals' draw ``u (d_g,)`` shaped as ``rows (..., d_g)`` (the call's rows of ``table``) and a scalar 1. The
-    backward pass gives ``u`` no gradient; it writes each copy's gradient, divided by the probe's (the loss's own weight
-    on the term: 1/particles), into ``table`` and the draw into ``points``, at the call's elements (``indices`` of the
-    plates at ``dims``), and adds the secant pairs of the elements seen before (gradient and draw moved since their
-    last visit) to ``secant`` (:func:`shared_curvature`)."""
+    """``(copies, probe, table_sum, points_sum, curvature) = _GradientTap.apply(u, rows, table, points, secant, dims,
+    *indices)``: per-element copies of the globals' draw ``u (d_g,)`` shaped as ``rows (..., d_g)`` (the call's rows of
+    ``table``), a scalar 1, and (without gradient) the sums of ``table`` and ``points`` over all their elements and
+    :func:`shared_curvature` of ``secant``, as they are when the forward pass runs (:func:`_table_summary`). The
+    backward pass gives ``u`` no gradient; it writes each copy's gradient, divided by the probe's (the loss's own
+    weight on the term: 1/particles), into ``table`` and the draw into ``points``, at the call's elements (``indices``
+    of the plates at ``dims``), adds the secant pairs of the elements seen before (gradient and draw moved since their
+    last visit) to ``secant`` (:func:`shared_curvature`), and brings the summary up to date with what it wrote."""
 
     @staticmethod
     def forward(ctx, u, rows, table, points, secant, dims, *indices):
         ctx.state, ctx.dims, ctx.indices, ctx.u = (table, points, secant), dims, indices, u.detach()
-        return u.detach().expand(rows.shape).clone(), u.new_ones(())
+        summary = tuple(t.clone() for t in _table_summary(table, points, secant))
+        ctx.mark_non_differentiable(*summary)
+        return (u.detach().expand(rows.shape).clone(), u.new_ones(()), *summary)
 
     @staticmethod
-    def backward(ctx, grad, probe):
+    def backward(ctx, grad, probe, *_):
         with torch.no_grad():
             weight = float(probe)
             if weight != 0.0 and grad is not None:
                 table, points, secant = ctx.state
-                index = _element_index(table, dict(zip(ctx.dims, ctx.indices, strict=True)), 1)
-                new = (grad / weight).to(table.dtype).expand(table[index].shape)
+                held = _held_summary(table, points, secant)  # (before the writes below)
+                selection = dict(zip(ctx.dims, ctx.indices, strict=True))
+                read, write = _element_access(table, selection, 1)
+                old, old_at = read(table), read(points)
+                new = (grad / weight).to(table.dtype).expand(old.shape)
+                at = ctx.u.to(points.dtype)
                 d = new.shape[-1]
-                old, old_at = table[index].reshape(-1, d), points[index].reshape(-1, d)
-                seen = (old != 0).any(-1)
-                moved = (ctx.u.to(points.dtype) - old_at)[seen]
-                change = (new.reshape(-1, d) - old)[seen]
+                change, moved = (new - old).reshape(-1, d), (at - old_at).reshape(-1, d)
+                # the secant pairs of the elements seen before (a stored gradient): the others' rows are zeroed, which
+                # adds nothing to the sums (a boolean selection of the rows cost a synchronisation and two gathers)
+                seen = (old != 0).any(-1).reshape(-1, 1).to(old.dtype)
+                seen_change, seen_moved = change * seen, moved * seen
                 secant.mul_(SECANT_DECAY)
-                secant[0] += change.mT @ moved
-                secant[1] += moved.mT @ moved
-                table[index] = new
-                points[index] = ctx.u.to(points.dtype).expand(new.shape)
+                secant[0].add_(seen_change.mT @ seen_moved)
+                secant[1].add_(seen_moved.mT @ seen_moved)
+                write(table, new)
+                write(points, at.expand(new.shape))
+                if held is not None and all(_distinct(ix) for ix in ctx.indices):  # (each element written once)
+                    acc = held[0].dtype
+                    sums = (held[0] + change.sum(0, dtype=acc), held[1] + moved.sum(0, dtype=acc))
+                    _hold_summary(table, points, secant, *sums)
         return (
             torch.zeros(ctx.u.shape, dtype=ctx.u.dtype, device=ctx.u.device),
             None,
@@ -2188,6 +2210,68 @@ class _GradientTap(torch.autograd.Function):
             None,
             *([None] * len(ctx.indices)),
         )
+
+
+#: id(table) -> (weak references to a control variate's table, points and secant, their versions, the sums of the
+#: table and the points over all elements (float64) and the secant's shared curvature): see :func:`_table_summary`
+_SUMMARIES: dict[int, tuple] = {}
+
+
+def _held_summary(
+    table: torch.Tensor, points: torch.Tensor, secant: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The held summary of a control variate's state (``(table sum, points sum, curvature)``), if it is that of these
+    tensors as they are now: the same tensors, none written since (their version counters, which every in-place write
+    advances, as when it was made)."""
+    entry = _SUMMARIES.get(id(table))
+    if entry is None or entry[0]() is not table or entry[1]() is not points or entry[2]() is not secant:
+        return None
+    if entry[3] != (table._version, points._version, secant._version):
+        return None
+    return entry[4:]
+
+
+def _hold_summary(
+    table: torch.Tensor, points: torch.Tensor, secant: torch.Tensor, table_sum: torch.Tensor, points_sum: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    key = id(table)
+    summary = (table_sum, points_sum, shared_curvature(secant.detach()))
+    forget = weakref.ref(table, lambda ref, key=key: _forget_summary(key, ref))
+    refs = (forget, weakref.ref(points), weakref.ref(secant))
+    _SUMMARIES[key] = (*refs, (table._version, points._version, secant._version), *summary)
+    return summary
+
+
+def _forget_summary(key: int, ref: weakref.ref) -> None:
+    entry = _SUMMARIES.get(key)
+    if entry is not None and entry[0] is ref:
+        del _SUMMARIES[key]
+
+
+def _table_summary(
+    table: torch.Tensor, points: torch.Tensor, secant: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""``(\sum_i T_i, \sum_i \theta_i, \bar H)`` of a control variate's state
+    (:meth:`AutoBranchGuide._control_variate_term`): the table's and the points' sums over all elements (in their
+    dtype) and :func:`shared_curvature` of the secant. Held between calls and kept up to date by
+    :class:`_GradientTap`'s backward pass, which adds what it writes (in float64, but on MPS): O(B) a training call
+    instead of two sums over all :math:`N` elements and a solve (at :math:`N = 10^5` groups the sums were about a
+    millisecond of each step); made again from the tensors when they were written by anything else, or are other
+    tensors (loaded, copied, unpickled)."""
+    held = _held_summary(table, points, secant)
+    if held is None:
+        every = tuple(range(table.dim() - 1))
+        acc = table.dtype if table.device.type == "mps" else torch.float64  # (MPS has no float64)
+        sums = (table.detach().sum(every, dtype=acc), points.detach().sum(every, dtype=acc))
+        held = _hold_summary(table, points, secant, *sums)
+    return held[0].to(table.dtype), held[1].to(points.dtype), held[2]
+
+
+def _distinct(index: torch.Tensor) -> bool:
+    """Whether the indices are distinct (increasing ones without a sort)."""
+    if index.numel() < 2 or bool((index[1:] > index[:-1]).all()):
+        return True
+    return index.unique().numel() == index.numel()
 
 
 def shared_curvature(secant: torch.Tensor) -> torch.Tensor:
@@ -2229,13 +2313,16 @@ def _state_tensor(value: torch.Tensor) -> torch.Tensor:
 
 def _raw_state(module: PyroModule, name: str) -> torch.Tensor:
     """The tensor behind ``module``'s real-valued ``PyroParam`` ``name``, read without Pyro seeing a parameter."""
-    return module.get_parameter(f"{name}_unconstrained")
+    return module._parameters[f"{name}_unconstrained"]  # (direct: no attribute walk, in every backward pass)
 
 
-def _state_hook(guide: weakref.ref, key: str, value: torch.Tensor) -> None:
+def _state_hook(guide: weakref.ref, keys: tuple[str, ...], value: torch.Tensor) -> None:
+    """A gradient reached a hooked parameter ``value``: :meth:`AutoBranchGuide._after_backward` for each of its
+    ``keys``."""
     live = guide()
     if live is not None:
-        live._after_backward(key, value)
+        for key in keys:  # (in the order they were hooked: the count before the loc's average)
+            live._after_backward(key, value)
 
 
 def _accumulate_moments(acc: list, level: PlateLevel, tr, guide: AutoBranchGuide, size: int) -> None:
@@ -2317,6 +2404,30 @@ def _as_list(plates) -> list:
 
 def _subsample_size(plate: pyro.plate | PlateCall) -> int:
     return plate.subsample_size
+
+
+def _element_access(
+    buffer: torch.Tensor, selection: dict, event_dim: int
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor, torch.Tensor], None]]:
+    """``(read, write)`` of the elements of ``selection`` in full-size per-element buffers shaped as ``buffer``:
+    ``read(t)`` is ``t[index]`` and ``write(t, v)`` is ``t[index] = v`` for :func:`_element_index`'s ``index``, by
+    ``index_select`` / ``index_copy_`` where one plate is subsampled (the usual minibatch), by that index otherwise."""
+    batch = buffer.dim() - event_dim
+    tensors = [(batch + dim, ix) for dim, ix in selection.items() if ix is not None and buffer.shape[batch + dim] > 1]
+    if len(tensors) == 1:
+        pos, ix = tensors[0]
+        ix = ix.to(buffer.device)
+
+        def write_rows(t: torch.Tensor, v: torch.Tensor) -> None:
+            t.index_copy_(pos, ix, v)
+
+        return (lambda t: t.index_select(pos, ix)), write_rows
+    index = _element_index(buffer, selection, event_dim)
+
+    def write(t: torch.Tensor, v: torch.Tensor) -> None:
+        t[index] = v
+
+    return (lambda t: t[index]), write
 
 
 def _element_index(buffer: torch.Tensor, selection: dict, event_dim: int) -> tuple:
