@@ -904,6 +904,51 @@ class AutoHierarchicalVM(HierarchicalGuide):
         by_name = {lv.name: lv for lv in self.levels}
         return sum(s.num_coords for p in self.parents[level.name] for s in by_name[p].sites if s.continuous)
 
+    def _siblings(self, level: _Level, spec: _SiteSpec) -> list[_SiteSpec]:
+        """The continuous sites of the level before ``spec`` that it is conditioned on (:meth:`_site_inputs`): all of
+        them, for a continuous site of a plate level with parents (none otherwise)."""
+        if not (spec.continuous and level.plates and self.parents[level.name]):
+            return []
+        out = []
+        for other in level.sites:
+            if other is spec:
+                return out
+            if other.continuous:
+                out.append(other)
+        return out
+
+    def _num_sibling_coords(self, level: _Level, spec: _SiteSpec) -> int:
+        return sum(s.num_coords for s in self._siblings(level, spec))
+
+    def _site_inputs(
+        self,
+        level: _Level,
+        spec: _SiteSpec,
+        x: torch.Tensor | None,
+        unconstrained: dict[str, torch.Tensor],
+        params: dict[str, torch.Tensor],
+    ) -> torch.Tensor | None:
+        r"""What the site's :meth:`_affine` reads: the parents' values ``x`` (:meth:`_parent_inputs`) and, after them,
+        the element's earlier continuous sites less the centre of their ``q(w)`` (:meth:`_siblings`), so that
+        ``q`` of an element is :math:`q(z_1 \mid \mathrm{pa})\, q(z_2 \mid z_1, \mathrm{pa}) \cdots`, each factor
+        Gaussian with a location (and log-sd) affine in what it reads. The slopes on the siblings are the Gaussian
+        conditional's, :math:`-\Lambda_{21} / \Lambda_{22}` from the model's curvature (:meth:`_shrinkage`). With the
+        coordinates of an element independent, a group of ``unseen.py``'s ``hetero`` with five observations, whose
+        location's posterior is skewed towards the population mean by its own noise scale (skewness 1.0), was at
+        best (the optimum of that family, the globals at their posterior means, by quadrature) 0.28 posterior sds off
+        with sd ratio 0.68; the noise scale's log affine in the location: 0.06 off, sd ratio 0.79."""
+        siblings = self._siblings(level, spec)
+        if not siblings or x is None:
+            return x
+        parts = [x]
+        for other in siblings:
+            centre = self._standardiser(level, other, params)[0].detach()
+            batch = centre.shape[: centre.dim() - len(other.elem_shape)]
+            u = unconstrained[other.name]
+            u = u.reshape((*u.shape[: u.dim() - len(other.elem_shape)], other.num_coords))
+            parts.append(u - centre.reshape((*batch, -1)))
+        return concat_broadcast(parts)
+
     def _init_site(self, level: _Level, spec: _SiteSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Initial λ of a site: its centre ``level.batch_shape + (size,)``, one start per mixture component
         ``level.batch_shape + (K, size)`` and the initial sd of λ around them (the mixture components' or the flow's
@@ -1041,7 +1086,8 @@ class AutoHierarchicalVM(HierarchicalGuide):
                     getattr(self.precisions, f"{spec.key}_precision")
         for spec in level.sites:
             if spec.continuous and n_par:  # slopes of the location and log-sd on the parents (see _model_slopes)
-                slopes = init.new_zeros((*level.batch_shape, spec.num_coords, 2, n_par))
+                width = n_par + self._num_sibling_coords(level, spec)
+                slopes = init.new_zeros((*level.batch_shape, spec.num_coords, 2, width))
                 if spec.name in read:
                     slopes = read[spec.name].to(slopes) / READ_SLOPE_RATE
                     # the last read (state without gradients, see _refresh_slopes), in the slopes' free units
@@ -1641,7 +1687,8 @@ class AutoHierarchicalVM(HierarchicalGuide):
                 d_loc = d_loc - 2 * d_log_sd * (m0 - u0.reshape((*level.batch_shape, -1)).to(d_loc))
                 d_loc, d_log_sd = torch.broadcast_tensors(d_loc, d_log_sd)
                 rows[n].append(torch.stack([d_loc, d_log_sd], -1))
-        shrink, precision = self._shrinkage(level, values, wanted, args, kwargs, schur)
+        sibling_slopes: dict[str, torch.Tensor] = {}
+        shrink, precision = self._shrinkage(level, values, wanted, args, kwargs, schur, sibling_slopes)
         if precisions is not None:
             precisions.update(precision)
         out = {}
@@ -1652,6 +1699,10 @@ class AutoHierarchicalVM(HierarchicalGuide):
                     (*level.batch_shape, spec.num_coords, 2, len(columns))
                 )
                 out[spec.name] = slopes * shrink[spec.name][..., None, None]
+                siblings = sibling_slopes.get(spec.name)
+                if siblings is not None:  # (location only: the log-sd's slopes on the siblings start at 0)
+                    block = torch.stack([siblings, torch.zeros_like(siblings)], -2).to(out[spec.name])
+                    out[spec.name] = torch.cat([out[spec.name], block], -1)
         return out
 
     def _shrinkage(
@@ -1662,6 +1713,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
         args: tuple,
         kwargs: dict,
         schur: dict[str, torch.Tensor] | None = None,
+        sibling_slopes: dict[str, torch.Tensor] | None = None,
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         r"""Per coordinate of the level's sites ``names`` (Gaussian prior conditionals), the share
         :math:`\rho = P / (P + H)` of the prior's precision :math:`P` in the conditional posterior's, with :math:`H`
@@ -1695,16 +1747,44 @@ class AutoHierarchicalVM(HierarchicalGuide):
                 self.reading_model, args, kwargs, values, names, validate=False, init=self.site_init
             )
         h = curvature.diagonal(dim1=-2, dim2=-1).clamp(min=0.0)
-        out, total, start = {}, {}, 0
+        starts, start = {}, 0
+        for spec in specs:
+            starts[spec.name] = start
+            start += spec.num_coords
+        total, rest = {}, {}
         for spec in specs:
             prec = gaussian_prior(fns[spec.name], st.latent[spec.name].support).precision
             prec = prec.expand((*prec.shape[:-1], spec.num_coords)).reshape((*level.batch_shape, spec.num_coords))
-            rest = h[..., start : start + spec.num_coords]
+            i = starts[spec.name]
+            rest[spec.name] = h[..., i : i + spec.num_coords]
             if schur is not None and spec.name in schur:  # (the children follow the level: see _children_schur)
-                rest = (rest - schur[spec.name].to(rest)).clamp(min=0.0)
-            total[spec.name] = prec + rest
+                rest[spec.name] = (rest[spec.name] - schur[spec.name].to(h)).clamp(min=0.0)
+            total[spec.name] = prec + rest[spec.name]
+        # the element's later sites follow its earlier ones (_site_inputs) by the Gaussian conditional's slope
+        # -Λ_ji / Λ_jj; an earlier site is then identified along that map: its curvature less Σ_j s_ji² Λ_jj (as for
+        # children, _children_schur)
+        taken = {spec.name: torch.zeros_like(total[spec.name]) for spec in specs}
+        out = {}
+        for spec in reversed(specs):  # (a site's later siblings are done: its own precision is final)
+            prec = total[spec.name] - rest[spec.name]
+            total[spec.name] = prec + (rest[spec.name] - taken[spec.name]).clamp(min=0.0)
             out[spec.name] = prec / total[spec.name]
-            start += spec.num_coords
+            siblings = self._siblings(level, spec)
+            if not siblings:
+                continue
+            i = starts[spec.name]
+            blocks = []
+            for other in siblings:
+                if other.name not in starts:  # (a sibling without a Gaussian prior: no curvature read)
+                    blocks.append(h.new_zeros((*h.shape[:-1], spec.num_coords, other.num_coords)))
+                    continue
+                k = starts[other.name]
+                cross = curvature[..., i : i + spec.num_coords, k : k + other.num_coords]
+                slope = -cross / total[spec.name].unsqueeze(-1)
+                blocks.append(slope)
+                taken[other.name] = taken[other.name] + (slope.pow(2) * total[spec.name].unsqueeze(-1)).sum(-2)
+            if sibling_slopes is not None:
+                sibling_slopes[spec.name] = torch.cat(blocks, -1)
         return out, total
 
     def _standardiser(
@@ -1893,7 +1973,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
                 values: dict[str, torch.Tensor] = {}  # what r reads: w of continuous sites (see _affine)
                 unconstrained: dict[str, torch.Tensor] = {}
                 for spec in level.sites:
-                    affine = self._affine(level, spec, x, params)
+                    affine = self._affine(level, spec, self._site_inputs(level, spec, x, unconstrained, params), params)
                     fn = self._site_distribution(level, spec, lam, lam0, values, params, affine)
                     if spec.continuous:
                         u = self._sample_site(
