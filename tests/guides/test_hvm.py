@@ -635,3 +635,37 @@ def test_outer_levels_are_parents_and_give_the_marginal_precision(gathered):
     marginal = p_b + (p_a * (1 - rho)).reshape(3, 2).sum(-1)
     held = guide.precisions.b_precision.detach().reshape(-1)
     assert torch.allclose(held, marginal, rtol=1e-4), (held, marginal, p_b + 2 * p_a)
+
+
+def test_a_site_follows_its_earlier_siblings_by_the_gaussian_conditional_slope():
+    """Groups with their own noise scale: log σ_g follows a_g with the slope −Λ_σa / Λ_σσ of the model's curvature,
+    and a_g's precision is its marginal's along that map, Λ_aa − s² Λ_σσ (here exactly, the curvature being read at
+    the init values)."""
+    from pyro_hier.guides.hvm import READ_SLOPE_RATE
+
+    group = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1])
+    y = torch.tensor([-2.0, -1.0, -2.5, 0.5, 1.5, 0.0, 1.0, 2.0], dtype=f64)
+
+    def model():
+        mu = pyro.sample("mu", dist.Normal(y.new_zeros(()), 5.0))
+        with pyro.plate("groups", 2):
+            a = pyro.sample("a", dist.Normal(mu, 2.0))
+            sigma = pyro.sample("sigma", dist.LogNormal(y.new_tensor(0.3), 0.7))
+        with pyro.plate("obs", len(y)):
+            pyro.sample("y", dist.Normal(a[..., group], sigma[..., group]), obs=y)
+
+    pyro.clear_param_store()
+    guide = AutoHierarchicalVM(model, init_loc_fn=init_to_value(values={"a": torch.tensor([-1.0, 0.5], dtype=f64)}))
+    guide()
+    a = guide.prototype_trace.nodes["a"]["value"].detach()
+    var = guide.prototype_trace.nodes["sigma"]["value"].detach().pow(2)
+    r = y - a[group]
+    cross = torch.zeros(2, dtype=f64).index_add(0, group, 2 * r) / var  # -∂² log p / ∂ log σ ∂a
+    lam_s = 0.7**-2 + torch.zeros(2, dtype=f64).index_add(0, group, 2 * r * r) / var
+    slope = -cross / lam_s
+    read = READ_SLOPE_RATE * guide.slope_reads.sigma.detach()[:, 0, :, -1]  # (groups, location / log-sd)
+    assert torch.allclose(read[:, 0], slope, rtol=1e-4) and (slope.abs() > 0.1).all()
+    assert (read[:, 1] == 0).all()
+    lam_a = 2.0**-2 + torch.bincount(group).to(f64) / var
+    held = guide.precisions.a_precision.detach().reshape(-1)
+    assert torch.allclose(held, lam_a - slope.pow(2) * lam_s, rtol=1e-4), (held, lam_a)
