@@ -581,3 +581,91 @@ def test_global_control_variate_estimates_the_precision_and_cuts_the_noise(monke
     assert loss_cv == pytest.approx(loss, rel=1e-12)  # the term's value is zero, draw by draw
     assert with_cv.std() < 0.1 * without.std(), (with_cv.std(), without.std())
     assert (with_cv.mean() - without.mean()).abs() < 4 * without.std() / math.sqrt(40)
+
+
+# ---- outer plate levels as parents ----------------------------------------------------------------------------------
+def _states_counties(gathered: bool):
+    """Counties in states with Gaussian homes, written with the counties gathering their state by index or nested in
+    the states' plate."""
+    states, per_state = 3, 2
+    sizes = torch.tensor([1, 4, 2, 6, 3, 9])
+    county = torch.repeat_interleave(torch.arange(states * per_state), sizes)
+    y = torch.linspace(-1.0, 2.0, len(county), dtype=f64)
+
+    def model():
+        mu = pyro.sample("mu", dist.Normal(y.new_zeros(()), 5.0))
+        s_b = pyro.sample("s_b", dist.HalfNormal(y.new_ones(())))
+        s_a = pyro.sample("s_a", dist.HalfNormal(y.new_ones(())))
+        sigma = pyro.sample("sigma", dist.HalfNormal(y.new_ones(())))
+        if gathered:
+            with pyro.plate("states", states):
+                b = pyro.sample("b", dist.Normal(mu, s_b))
+            with pyro.plate("counties", states * per_state):
+                a = pyro.sample("a", dist.Normal(b[..., torch.arange(states).repeat_interleave(per_state)], s_a))
+        else:
+            with pyro.plate("states", states, dim=-2):
+                b = pyro.sample("b", dist.Normal(mu, s_b))
+                with pyro.plate("counties", per_state, dim=-1):
+                    a = pyro.sample("a", dist.Normal(b, s_a))
+            a = a.reshape((*a.shape[:-2], -1))
+        with pyro.plate("homes", len(county)):
+            pyro.sample("y", dist.Normal(a[..., county], sigma), obs=y)
+
+    return model, sizes
+
+
+@pytest.mark.parametrize("gathered", [True, False])
+def test_outer_levels_are_parents_and_give_the_marginal_precision(gathered):
+    """Counties are conditioned on their state (gathered by index or nested alike), with the Gaussian conditional's
+    slope ρ = P / (P + H), and the states' precision is that of their marginal, the counties integrated out:
+    P_b + Σ_c P_a (1 − ρ_c), not P_b + Σ_c P_a (the counties held fixed)."""
+    from pyro_hier.guides.hvm import READ_SLOPE_RATE
+
+    model, sizes = _states_counties(gathered)
+    pyro.clear_param_store()
+    guide = AutoHierarchicalVM(model)
+    guide()
+    counties = next(lv.name for lv in guide.levels if lv.plates and "counties" in lv.plates)
+    assert guide.parents[counties] == ("globals", "states")
+    values = {n: guide.prototype_trace.nodes[n]["value"].detach() for n in ("s_b", "s_a", "sigma")}
+    p_a, p_b = values["s_a"] ** -2, values["s_b"] ** -2
+    rho = p_a / (p_a + sizes.to(f64) / values["sigma"] ** 2)  # (6,), counties in order
+    slope_on_state = READ_SLOPE_RATE * guide.slope_reads.a.detach()[..., 0, 0, -1].reshape(-1)
+    assert torch.allclose(slope_on_state, rho, rtol=1e-4)
+    marginal = p_b + (p_a * (1 - rho)).reshape(3, 2).sum(-1)
+    held = guide.precisions.b_precision.detach().reshape(-1)
+    assert torch.allclose(held, marginal, rtol=1e-4), (held, marginal, p_b + 2 * p_a)
+
+
+def test_a_site_follows_its_earlier_siblings_by_the_gaussian_conditional_slope():
+    """Groups with their own noise scale: log σ_g follows a_g with the slope −Λ_σa / Λ_σσ of the model's curvature,
+    and a_g's precision is its marginal's along that map, Λ_aa − s² Λ_σσ (here exactly, the curvature being read at
+    the init values)."""
+    from pyro_hier.guides.hvm import READ_SLOPE_RATE
+
+    group = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1])
+    y = torch.tensor([-2.0, -1.0, -2.5, 0.5, 1.5, 0.0, 1.0, 2.0], dtype=f64)
+
+    def model():
+        mu = pyro.sample("mu", dist.Normal(y.new_zeros(()), 5.0))
+        with pyro.plate("groups", 2):
+            a = pyro.sample("a", dist.Normal(mu, 2.0))
+            sigma = pyro.sample("sigma", dist.LogNormal(y.new_tensor(0.3), 0.7))
+        with pyro.plate("obs", len(y)):
+            pyro.sample("y", dist.Normal(a[..., group], sigma[..., group]), obs=y)
+
+    pyro.clear_param_store()
+    guide = AutoHierarchicalVM(model, init_loc_fn=init_to_value(values={"a": torch.tensor([-1.0, 0.5], dtype=f64)}))
+    guide()
+    a = guide.prototype_trace.nodes["a"]["value"].detach()
+    var = guide.prototype_trace.nodes["sigma"]["value"].detach().pow(2)
+    r = y - a[group]
+    cross = torch.zeros(2, dtype=f64).index_add(0, group, 2 * r) / var  # -∂² log p / ∂ log σ ∂a
+    lam_s = 0.7**-2 + torch.zeros(2, dtype=f64).index_add(0, group, 2 * r * r) / var
+    slope = -cross / lam_s
+    read = READ_SLOPE_RATE * guide.slope_reads.sigma.detach()[:, 0, :, -1]  # (groups, location / log-sd)
+    assert torch.allclose(read[:, 0], slope, rtol=1e-4) and (slope.abs() > 0.1).all()
+    assert (read[:, 1] == 0).all()
+    lam_a = 2.0**-2 + torch.bincount(group).to(f64) / var
+    held = guide.precisions.a_precision.detach().reshape(-1)
+    assert torch.allclose(held, lam_a - slope.pow(2) * lam_s, rtol=1e-4), (held, lam_a)
