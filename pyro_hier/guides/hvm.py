@@ -879,9 +879,13 @@ class AutoHierarchicalVM(HierarchicalGuide):
                 index = flat
         return None if index is None else index.cpu()
 
-    def _parent_inputs(self, level: _Level, parent_values: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    def _parent_inputs(
+        self, level: _Level, parent_values: dict[str, torch.Tensor], plates: dict[str, pyro.plate] | None = None
+    ) -> torch.Tensor | None:
         """What the level's :meth:`_affine` reads: its parents' values (:meth:`_parent_values`), an outer level's
-        taken at the element each of the level's elements reads (:meth:`_outer_index`), side by side."""
+        taken at the element each of the level's elements reads (:meth:`_outer_index`), side by side. On a call
+        whose ``plates`` subsample either level, each of the call's elements of the level reads its outer element's
+        position among the call's elements of the outer level (:meth:`_call_outer_positions`)."""
         parents = self.parents[level.name]
         if not parents:
             return None
@@ -895,10 +899,41 @@ class AutoHierarchicalVM(HierarchicalGuide):
                 p = by_name[name]
                 n = len(p.batch_shape) + 1
                 lead = x.shape[: x.dim() - n]
-                x = x.expand((*lead, *p.batch_shape, x.shape[-1])).reshape((*lead, -1, x.shape[-1]))
-                x = x.index_select(-2, outer.to(x.device)).reshape((*lead, *level.batch_shape, x.shape[-1]))
+                positions, shape, outer_shape = self._call_outer_positions(level, p, outer, plates)
+                x = x.expand((*lead, *outer_shape, x.shape[-1])).reshape((*lead, -1, x.shape[-1]))
+                x = x.index_select(-2, positions.to(x.device)).reshape((*lead, *shape, x.shape[-1]))
             parts.append(x)
         return parts[0] if len(parts) == 1 else concat_broadcast(parts)
+
+    def _call_outer_positions(
+        self, level: _Level, outer_level: _Level, outer: torch.Tensor, plates: dict[str, pyro.plate] | None
+    ) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+        """``(positions, shape, outer_shape)``: for each of this call's elements of ``level`` (batch ``shape``), the
+        position of the outer element it reads (``outer``: full flat indices, :meth:`_outer_index`) among this call's
+        elements of ``outer_level`` (batch ``outer_shape``); ``outer`` itself at full sizes when neither level is
+        subsampled on this call."""
+        assert self.structure is not None
+        st = self.structure
+        names = (*level.plates, *outer_level.plates)
+        if plates is None or all(int(plates[q].subsample_size) == st.plates[q].size for q in names if q in plates):
+            return outer, tuple(level.batch_shape), tuple(outer_level.batch_shape)
+
+        def call_flat(lv: _Level) -> torch.Tensor:  # the full flat index of each of the call's elements
+            grid = torch.arange(math.prod(lv.batch_shape), device=outer.device).reshape((*lv.batch_shape, 1))
+            dims = [st.plates[q].dim for q in lv.plates]
+            return select_elements(grid, element_selection(plates, lv.plates, dims), 1)[..., 0]
+
+        mine, theirs = call_flat(level), call_flat(outer_level)
+        lookup = torch.full((math.prod(outer_level.batch_shape),), -1, dtype=torch.long, device=outer.device)
+        lookup[theirs.reshape(-1)] = torch.arange(theirs.numel(), device=outer.device)
+        positions = lookup[outer.to(mine.device)[mine.reshape(-1)]]
+        if bool((positions < 0).any()):
+            raise StructureError(
+                f"plate level '{level.name}' reads elements of '{outer_level.name}' that are not in this call's "
+                f"subsample of plate(s) {list(outer_level.plates)}: subsample the outer plate with the elements its "
+                "inner elements read (or not at all)"
+            )
+        return positions, tuple(mine.shape), tuple(theirs.shape)
 
     def _num_parent_coords(self, level: _Level) -> int:
         by_name = {lv.name: lv for lv in self.levels}
@@ -1963,7 +1998,7 @@ class AutoHierarchicalVM(HierarchicalGuide):
         average = self._use_average()
         for level in self.levels:
             params = self._element_params(level, plates, average)  # read (and cut to the subsample) outside the plates
-            x = self._parent_inputs(level, parent_values)
+            x = self._parent_inputs(level, parent_values, plates)
             with ExitStack() as stack:
                 enter_plates(stack, plates, level.plates)
                 lam = pyro.sample(
