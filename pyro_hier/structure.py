@@ -825,6 +825,9 @@ def gradient_parents(model: Callable, args: tuple = (), kwargs: dict | None = No
                 pyro.sample("y", dist.OrderedLogistic(x, c), obs=y)
 
         gradient_parents(model, (x, y))["y"]      # {'c'} (provenance: none)
+
+    Reference: the dependencies are those of Pyro's ``get_dependencies`` (after Webb et al. 2018, *Faithful inversion
+    of generative models for effective amortized inference*), found by another route.
     """
     kwargs = {} if kwargs is None else kwargs
     leaves = _LeafValues()
