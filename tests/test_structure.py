@@ -293,3 +293,14 @@ def test_parents_survive_a_distribution_that_loses_pyros_provenance():
 
     assert gradient_parents(model, (x, rater, y))["y"] == {"a", "b", "c"}
     assert set(inspect_model(model, (x, rater, y)).parents["y"]) == {"a", "b", "c"}
+
+
+def test_a_model_writing_into_a_sites_value_keeps_provenance_parents_with_a_warning():
+    def model():
+        z = pyro.sample("z", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+        z[0] = 0.0  # in place on a sample's value: autograd cannot run it on leaves
+        pyro.sample("y", dist.Normal(z, 1.0).to_event(1), obs=torch.ones(3))
+
+    with pytest.warns(UserWarning, match="provenance tracking alone"):
+        parents = inspect_model(model).parents
+    assert parents["y"] == ("z",)
