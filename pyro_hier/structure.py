@@ -297,6 +297,21 @@ class ModelStructure:
         return tuple(name for name, p in self.plates.items() if p.subsampled)
 
     # ---- sites --------------------------------------------------------------------------------------------------
+    @cached_property
+    def imputed(self) -> dict[str, str]:
+        """Latent sites that impute the missing entries of an observation, each with the site the model samples in
+        their place when it is called without the observations: ``{"y_unobserved": "y"}`` for Pyro's
+        ``pyro.sample("y", fn, obs=y, obs_mask=mask)``, which splits ``y`` into an observed ``y_observed`` and a latent
+        ``y_unobserved`` (masked to the missing entries) and records ``y`` as a deterministic site. Called with
+        ``y=None`` (as ``Predictive`` does, the observations left out) the model samples ``y`` whole, from the same
+        distribution, and ``y_unobserved`` is not there."""
+        found = {}
+        for name in self.latent:
+            base, sep, tail = name.rpartition("_")
+            if sep and tail == "unobserved" and f"{base}_observed" in self.observed and base in self.deterministic:
+                found[name] = base
+        return found
+
     @property
     def global_sites(self) -> tuple[str, ...]:
         """Latent sites in no plate."""
@@ -615,8 +630,8 @@ def _compare_structures(
 
 def _trace_once(model: Callable, args: tuple, kwargs: dict) -> tuple[poutine.Trace, PlateRecorder]:
     recorder = PlateRecorder()
-    with poutine.block():
-        trace = poutine.trace(recorder(model)).get_trace(*args, **kwargs)
+    with poutine.block():  # (the model's own ``pyro.param``s left out of the trace, as Pyro's autoguides leave them)
+        trace = poutine.trace(poutine.block(recorder(model), hide_types=["param"])).get_trace(*args, **kwargs)
     return trace, recorder
 
 

@@ -24,6 +24,7 @@ from pyro.infer.autoguide import AutoGuide
 from pyro.infer.autoguide.initialization import InitMessenger, init_to_feasible
 from pyro.nn import PyroModule
 from pyro.ops.tensor_utils import periodic_repeat
+from pyro.poutine.messenger import Messenger
 from pyro.poutine.subsample_messenger import _Subsample
 from torch.distributions import biject_to, constraints
 
@@ -113,9 +114,10 @@ class HierarchicalGuide(AutoGuide):
             # the branch part's references read the likelihood at sigma = the AutoNormal part's median
 
         Reference: Pyro's ``AutoGuideList`` (pyro.infer.autoguide), whose parts see only their own sites."""
-        if getattr(self, "_hidden_sites", None) is not None:
-            return _GivenHiddenSites(self)
-        return self.user_model
+        model = _GivenHiddenSites(self) if getattr(self, "_hidden_sites", None) is not None else self.user_model
+        if self.structure is not None and self.structure.imputed:  # (Pyro's obs_mask)
+            return _ImputedSites(self.structure.imputed)(model)
+        return model
 
     @property
     def has_model(self) -> bool:
@@ -176,7 +178,9 @@ class HierarchicalGuide(AutoGuide):
         guide when it pickles without any reference to ``__main__`` (a function or ``PyroModule`` of an importable
         module). A function defined at the top level of the saving script travels as a reference that the loaded
         guide resolves, on first use, to the loading script's function of that name (checked against the guide's
-        latent sites on the next call). Anything else (a lambda, a closure) is left out. Without a model the guide
+        latent sites on the next call); such a function wrapped in Pyro's handlers (``poutine.reparam``,
+        ``poutine.block``) travels as its pickle, loaded on first use in the same way. Anything else (a lambda, a
+        closure) is left out. Without a model the guide
         opens its plates at the full sizes it recorded, as ``AutoNormal`` opens its own; guides that must run the
         model (nested observations, PAVI's prior conditionals) say so on use and ask for :meth:`attach_model`. A part
         of an ``AutoGuideList`` with sites hidden from it keeps the list's model the same way
@@ -264,6 +268,9 @@ class HierarchicalGuide(AutoGuide):
     # ---- prototype ----------------------------------------------------------------------------------------------
     def _setup_prototype(self, *args, **kwargs) -> None:
         self.structure = inspect_model(self.model, args, kwargs)
+        if self.structure.imputed:  # the model is read through :class:`_ImputedSites` from now on
+            self._model = None
+            self.structure.model = self.model
         self.prototype_trace = self.structure.trace
         if self.master is not None:  # a part of an AutoGuideList: the list checks our latent sites against its own
             self.master()._check_prototype(_latent_trace(self.prototype_trace, self.structure))
@@ -674,6 +681,21 @@ class _ContinuousInit:
         return value
 
 
+class _ImputedSites(Messenger):
+    """The guide's own runs of a model called without the observations that a latent site imputes
+    (:attr:`~pyro_hier.structure.ModelStructure.imputed`, Pyro's ``obs_mask``): the site the model samples in their
+    place is read as the imputing site (the same distribution, over all entries), so the guide's levels find their
+    prior conditionals where they found them with the data given; the model does not read the guide's draw of it."""
+
+    def __init__(self, imputed: Mapping[str, str]) -> None:
+        super().__init__()
+        self.renamed = {replaced: imputing for imputing, replaced in imputed.items()}
+
+    def _pyro_sample(self, msg) -> None:
+        if not msg["is_observed"] and msg["name"] in self.renamed:
+            msg["name"] = self.renamed[msg["name"]]
+
+
 class _GivenHiddenSites:
     """The whole model of an ``AutoGuideList`` as a part reads it (:attr:`HierarchicalGuide.reading_model`): the sites
     hidden from the part set to :meth:`HierarchicalGuide.hidden_values`, then hidden from the handlers outside, as
@@ -700,14 +722,23 @@ class _GivenHiddenSites:
 
 
 class _MainReference:
-    """A function of the ``__main__`` script, pickled by name and looked up in the loading process's ``__main__``
-    when needed (pickle's own reference would make loading fail in a process that does not define it). Calling it
-    calls the function found."""
+    """A model (or option) of the ``__main__`` script, looked up in the loading process's ``__main__`` when needed
+    (pickle's own reference would make loading fail in a process that does not define it): a function defined at the
+    top level, by its name; anything else that pickles with references to ``__main__`` (a model wrapped in Pyro's
+    handlers, ``poutine.reparam(model, ...)``, ``poutine.block(model, hide=...)``), by its pickle, loaded on first
+    use. Calling it calls what it finds."""
 
-    def __init__(self, qualname: str) -> None:
+    def __init__(self, qualname: str, data: bytes | None = None) -> None:
         self.qualname = qualname
+        self.data = data
 
     def resolve(self) -> Callable | None:
+        if self.data is not None:
+            try:
+                found = pickle.loads(self.data)
+            except (AttributeError, ImportError):  # (pickle's "Can't get attribute 'model' on <module '__main__'>")
+                return None
+            return found if callable(found) else None
         obj = sys.modules.get("__main__")
         for part in self.qualname.split("."):
             obj = getattr(obj, part, None)
@@ -728,8 +759,8 @@ class _MainReference:
 
 def _portable(obj: Callable) -> Callable | _MainReference | None:
     """What of ``obj`` can travel in a pickle to another process: ``obj`` itself when it pickles without referring
-    to ``__main__``; a :class:`_MainReference` for a function defined at the top level of ``__main__``; else
-    ``None``."""
+    to ``__main__``; a :class:`_MainReference` for a function defined at the top level of ``__main__`` or anything
+    else whose pickle refers to ``__main__``; else (a lambda, a closure) ``None``."""
     try:
         data = pickle.dumps(obj)
     except Exception:  # lambdas, closures, local classes: pickle refuses them
@@ -738,6 +769,8 @@ def _portable(obj: Callable) -> Callable | _MainReference | None:
         return obj
     if isinstance(obj, types.FunctionType) and obj.__module__ == "__main__" and "<" not in obj.__qualname__:
         return _MainReference(obj.__qualname__)
+    if data is not None:  # (a model of __main__ in Pyro's handlers: its pickle, loaded where the script defines it)
+        return _MainReference(str(getattr(obj, "__qualname__", type(obj).__qualname__)), data)
     return None
 
 

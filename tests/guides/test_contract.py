@@ -597,6 +597,7 @@ def model(y=None):
 
 SAVE = """
 import pyro, torch, pyro.distributions as dist
+from pyro import poutine
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 from pyro_hier import AutoAmortizedBranchGuide, AutoBranchGuide, AutoHierarchicalVM, AutoPlateAmortizedFlow
@@ -645,6 +646,7 @@ for name in sys.argv[1:]:  # now it does, as a script that calls Predictive(mode
 FRESH_PROCESS_GUIDES = {
     "autonormal": "lambda m: AutoNormal(m)",
     "branch": "lambda m: AutoBranchGuide(m)",
+    "branch-handled": "lambda m: AutoBranchGuide(poutine.scale(m, 1.0))",  # (a model in Pyro's handlers)
     "amortized": "lambda m: AutoAmortizedBranchGuide(m, observation_net=(8,))",
     "pavi": "lambda m: AutoPlateAmortizedFlow(m, encoding_size=4, flow_hidden=(16,))",
     "hvm": "lambda m: AutoHierarchicalVM(m, num_components=2)",
@@ -663,7 +665,8 @@ def run_script(source: str, cwd, *args) -> str:
 def test_whole_guide_pickled_and_loaded_in_a_fresh_process(tmp_path):
     """The realistic case: the model is a function of the training script (``__main__``). ``torch.load`` in another
     process never fails because of it. Where the loading script defines the model too (it passes it to
-    ``Predictive``), every guide works with no extra call (the guide finds the function by name and checks it). Where
+    ``Predictive``), every guide works with no extra call (the guide finds the function by name, or unpickles it in
+    Pyro's handlers, and checks it). Where
     it does not, the guides that need nothing of the model after setup work (AutoNormal, HVM: their plates open at
     full size), and those that run the model on every call (the branch guide's conjugate levels read their prior
     conditionals from it; the amortized guide, PAVI) say exactly that."""
@@ -675,7 +678,7 @@ def test_whole_guide_pickled_and_loaded_in_a_fresh_process(tmp_path):
     without = dict(line.split(" ", 1) for line in first.splitlines())
     for name in ("autonormal", "hvm"):
         assert without[name] == "ok True None"
-    for name in ("branch", "amortized", "pavi"):
+    for name in ("branch", "branch-handled", "amortized", "pavi"):
         assert (
             without[name].startswith("error") and "attach_model" in without[name] and "runs the model" in without[name]
         )

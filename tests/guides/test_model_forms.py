@@ -5,6 +5,7 @@ gives a clear error naming the level, the plate and the fix where it cannot."""
 
 import functools
 import math
+import pickle
 import warnings
 
 import pyro
@@ -580,3 +581,56 @@ def test_pavi_expands_a_group_location_at_the_group_own_noise_scale():
     with torch.no_grad():
         precision = guide._expansions_for_call((group, y), {}, {}, None)["a"][0].reshape(-1)
     assert 0.3 < float(precision[2]) < 3.0, precision
+
+
+def missing_model(group, y=None, mask=None):
+    """Rows with missing entries, imputed by Pyro's ``obs_mask`` (a latent ``y_unobserved`` when ``y`` is given)."""
+    mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+    s = pyro.sample("s", dist.HalfNormal(2.0))
+    with pyro.plate("groups", 4):
+        a = pyro.sample("a", dist.Normal(mu, s))
+    with pyro.plate("rows", len(group)):
+        return pyro.sample("y", dist.Normal(a[..., group], 1.0), obs=y, obs_mask=mask)
+
+
+@pytest.mark.parametrize("Guide", GUIDES, ids=lambda g: g.__name__)
+def test_missing_entries_imputed_by_obs_mask_and_predictions_without_the_observations(Guide):
+    group = torch.arange(4).repeat_interleave(3)
+    y = torch.randn(12, generator=torch.Generator().manual_seed(0))
+    mask = torch.arange(12) % 3 != 0
+    guide = Guide(missing_model)
+    train(guide, missing_model, group, y, mask)
+    imputed = Predictive(missing_model, guide=guide, num_samples=4)(group, y, mask)
+    assert imputed["y_unobserved"].shape == (4, 12)
+    assert torch.equal(imputed["y"][:, mask], y[mask].expand(4, -1))
+    # Predictive with the observations left out: the model samples ``y`` whole and has no ``y_unobserved``
+    predicted = Predictive(missing_model, guide=guide, num_samples=4)(group)
+    assert "y_unobserved" not in predicted and predicted["y"].shape == (4, 12)
+    assert torch.isfinite(predicted["y"]).all()
+    assert set(guide.median(group)) >= {"mu", "s", "a"}
+
+
+def param_model(group, y=None):
+    """A model with a parameter of its own (``pyro.param``, learnt by the same SVI) beside its latent sites."""
+    b = pyro.param("b", torch.tensor(0.0))
+    mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+    with pyro.plate("groups", 4):
+        a = pyro.sample("a", dist.Normal(mu, 1.0))
+    with pyro.plate("rows", len(group)):
+        return pyro.sample("y", dist.Normal(a[..., group] + b, 1.0), obs=y)
+
+
+@pytest.mark.parametrize("Guide", GUIDES, ids=lambda g: g.__name__)
+def test_a_model_with_its_own_pyro_param_trains_and_pickles(Guide):
+    """The model's ``pyro.param`` is learnt with the guide's parameters and is no site of the guide; the guide pickles
+    (the parameter store's weak references stay out of it, as in Pyro's autoguides)."""
+    group = torch.arange(4).repeat_interleave(3)
+    y = 1.0 + torch.randn(12, generator=torch.Generator().manual_seed(0))
+    guide = Guide(param_model)
+    train(guide, param_model, group, y)
+    assert "b" not in guide.median(group, y) and "b" in pyro.get_param_store()
+    loaded = pickle.loads(pickle.dumps(guide))
+    if isinstance(guide, AutoPlateAmortizedFlow):  # its held expansion was read at an earlier b; the loaded guide
+        guide._expansion = None  # reads it again (at today's b), as this one now does
+    for name, value in guide.median(group, y).items():
+        torch.testing.assert_close(loaded.median(group, y)[name], value)
