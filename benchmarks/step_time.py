@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> None:
         "--clock",
         choices=["wall", "cpu"],
         default="wall",
-        help="wall: time.perf_counter (default); cpu: time.process_time, the process's CPU time, which other processes' "
+        help="wall: time.perf_counter (default); cpu: time.process_time, the process's CPU time, which other "
+        "processes' "
         "load on the machine moves less (with --threads 1 and on the CPU)",
     )
     opts = p.parse_args(argv)
