@@ -105,8 +105,7 @@ def main(argv: list[str] | None = None) -> None:
         choices=["wall", "cpu"],
         default="wall",
         help="wall: time.perf_counter (default); cpu: time.process_time, the process's CPU time, which other "
-        "processes' "
-        "load on the machine moves less (with --threads 1 and on the CPU)",
+        "processes' load on the machine moves less (with --threads 1 and on the CPU)",
     )
     opts = p.parse_args(argv)
     if opts.clock == "cpu" and opts.device.startswith("cuda"):
