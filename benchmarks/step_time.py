@@ -6,8 +6,9 @@ the model as ``subsample``, ``pyro_hier.optim.ClippedAdam`` (sparse rows for the
 are sliced by Pyro's plates, so its gradients stay dense), ``Trace_ELBO`` (eager) or ``JitTrace_ELBO`` (``jit``: the
 whole loss traced once by ``torch.jit.trace`` and replayed). Every configuration lives in its own param store scope,
 is warmed up, and then all configurations take one step in turn on the same minibatch, round after round (the order
-rotated every round), so the machine's load hits them alike; the table gives each one's median step time and the
-median over rounds of its ratio to AutoNormal's time in the same round (eager and compiled).
+rotated every round), so the machine's load hits them alike; the table gives each one's median step time, its mean
+(which a rare costly step moves: a redo of every element's expansion, say, that the median hides) and the median over
+rounds of its ratio to AutoNormal's time in the same round (eager and compiled).
 
 ``JitTrace_ELBO`` needs the minibatch indices passed positionally (``svi.step(x, y, idx)``): Pyro keys its compiled
 functions on the keyword arguments, hashing a tensor by ``id``, so ``subsample=idx`` recompiles on every step.
@@ -17,6 +18,7 @@ Usage::
     python benchmarks/step_time.py                      # N = 1,000 and 100,000, every guide, eager and jit
     python benchmarks/step_time.py --sizes 1000 --guides AutoNormal branch-dense --modes eager jit
     python benchmarks/step_time.py --device cuda
+    python benchmarks/step_time.py --sizes 1000 --clock cpu     # CPU time (process_time): steadier on a loaded machine
 """
 
 from __future__ import annotations
@@ -99,7 +101,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="wall: time.perf_counter (default); cpu: time.process_time, the process's CPU time, which other "
+        "processes' load on the machine moves less (with --threads 1 and on the CPU)",
+    )
     opts = p.parse_args(argv)
+    if opts.clock == "cpu" and opts.device.startswith("cuda"):
+        p.error("--clock cpu times the host's CPU, not the GPU's work: use --clock wall with --device cuda")
     if opts.device.startswith("cuda") and not torch.cuda.is_available():
         p.error(f"--device {opts.device}: torch sees no CUDA device (torch.cuda.is_available() is False)")
     if "AutoNormal" not in opts.guides:
@@ -150,26 +161,27 @@ def run_size(N: int, opts: argparse.Namespace, device: torch.device) -> None:
             svis[key], scopes[key] = (svi, first), scope
     times = {key: [] for key in svis}
     keys = list(svis)
+    clock = time.process_time if opts.clock == "cpu" else time.perf_counter
     for r in range(opts.rounds):
         idx = batch()
         for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
             with store.scope(scopes[key]):
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                t0 = time.perf_counter()
+                t0 = clock()
                 svis[key][0].step(*problem.args, idx)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                times[key].append(time.perf_counter() - t0)
+                times[key].append(clock() - t0)
 
     def ratio(key, ref):
         if ref not in times:
             return float("nan")
         return statistics.median(a / b for a, b in zip(times[key], times[ref]))
 
-    print(f"\nN = {N:,} groups, minibatch {opts.batch}, median of {opts.rounds} interleaved rounds")
+    print(f"\nN = {N:,} groups, minibatch {opts.batch}, median of {opts.rounds} interleaved rounds ({opts.clock} time)")
     print(
-        f"{'guide':<20}{'mode':<7}{'ms/step':>9}{'× AutoNormal eager':>20}{'× AutoNormal jit':>18}"
+        f"{'guide':<20}{'mode':<7}{'ms/step':>9}{'mean ms':>9}{'× AutoNormal eager':>20}{'× AutoNormal jit':>18}"
         f"{'jit speed-up':>14}{'first step s':>14}"
     )
     for name in opts.guides:
@@ -178,10 +190,10 @@ def run_size(N: int, opts: argparse.Namespace, device: torch.device) -> None:
             if key in failed:
                 print(f"{name:<20}{mode:<7}  FAILED: {failed[key]}")
                 continue
-            ms = 1e3 * statistics.median(times[key])
+            ms, mean = 1e3 * statistics.median(times[key]), 1e3 * statistics.fmean(times[key])
             speedup = ratio((name, "eager"), key) if mode == "jit" and (name, "eager") in times else float("nan")
             print(
-                f"{name:<20}{mode:<7}{ms:>9.2f}{ratio(key, ('AutoNormal', 'eager')):>20.2f}"
+                f"{name:<20}{mode:<7}{ms:>9.2f}{mean:>9.2f}{ratio(key, ('AutoNormal', 'eager')):>20.2f}"
                 f"{ratio(key, ('AutoNormal', 'jit')):>18.2f}{speedup:>14.2f}{svis[key][1]:>14.2f}"
             )
 

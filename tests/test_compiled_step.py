@@ -1,6 +1,7 @@
 """What a ``torch.jit`` trace of the guides' distributions replays: work done without gradients stays without them
 (a trace does not record ``torch.no_grad``, so held parts must be detached explicitly)."""
 
+import pytest
 import torch
 
 from pyro_hier.conjugate import conjugate_offset
@@ -163,3 +164,105 @@ def test_control_variate_summary_is_kept_up_to_date_and_made_again_after_other_w
             table[3] += 1.0
         assert _held_summary(*state) is None
         torch.testing.assert_close(_table_summary(*state)[0], exact[0] + 1.0, rtol=1e-12, atol=1e-12)
+
+
+def _no_grad_escapes(graph: torch._C.Graph, num_params: int) -> list[str]:
+    """The nodes of a traced graph recorded inside ``torch.no_grad`` (scopes ``no_grad``, see below) whose floating
+    output depends on a parameter (the first ``num_params`` inputs) and is read outside such a region by anything but
+    a detach or a shape: what the replay records for autograd and differentiates (a trace does not record no_grad)."""
+
+    def nodes(block, inside):
+        for node in block.nodes():
+            if node.kind() == "prim::TracedModuleForward":  # (a scope pushed by the trace: its nodes are in a block)
+                for sub in node.blocks():
+                    yield from nodes(sub, inside or "no_grad" in node.scopeName())
+            else:
+                yield node, inside
+
+    tainted = {v.unique() for v in list(graph.inputs())[:num_params]}
+    made_inside, escapes = set(), []
+    shape_only = {
+        "aten::size",
+        "aten::detach",
+        "aten::new_zeros",
+        "aten::new_ones",
+        "aten::zeros_like",
+        "aten::ones_like",
+    }
+    for node, inside in nodes(graph, False):
+        if not inside and node.kind() not in shape_only:
+            escapes += [f"{node.kind()} reads {v.debugName()}" for v in node.inputs() if v.unique() in made_inside]
+        if node.kind() != "aten::detach" and any(v.unique() in tainted for v in node.inputs()):
+            for out in node.outputs():
+                kind = out.type()
+                if isinstance(kind, torch._C.TensorType) and kind.scalarType() in ("Float", "Double", "Half"):
+                    tainted.add(out.unique())
+                    if inside:
+                        made_inside.add(out.unique())
+    return escapes
+
+
+@pytest.mark.parametrize("name", ["AutoBranchGuide", "AutoAmortizedBranchGuide", "AutoPlateAmortizedFlow"])
+def test_compiled_steps_do_not_differentiate_through_no_grad_blocks(name, monkeypatch):
+    """Every ``torch.no_grad`` block a guide's compiled step runs is marked (a scope of the trace): no parameter-
+    dependent value made inside one reaches the rest of the graph other than detached (before the held parts of
+    ``ConjugateNormal`` were detached, 2084892, the branch guide's step differentiated its Cholesky factorisation)."""
+    import pyro
+    from pyro.infer import JitTrace_ELBO
+    from pyro.ops import jit as pyro_jit
+
+    import pyro_hier
+    from pyro_hier.problems import synthetic_regression
+
+    grad_mode = torch.autograd.grad_mode.no_grad
+    enter, exit_ = grad_mode.__enter__, grad_mode.__exit__
+    depth = [0]
+
+    def marked_enter(self):
+        state = torch._C._get_tracing_state()
+        if state is not None:
+            depth[0] += 1
+            if depth[0] == 1:
+                state.push_scope("no_grad")
+        return enter(self)
+
+    def marked_exit(self, *exc):
+        state = torch._C._get_tracing_state()
+        if state is not None and depth[0] > 0:
+            depth[0] -= 1
+            if depth[0] == 0:
+                state.pop_scope()
+        return exit_(self, *exc)
+
+    found = {}
+    trace = torch.jit.trace
+
+    def checked_trace(fn, inputs, **options):
+        def run(*args):
+            out = fn(*args)
+            found["escapes"] = _no_grad_escapes(torch._C._get_tracing_state().graph(), num_params[0])
+            return out
+
+        return trace(run, inputs, **options)
+
+    num_params = [0]
+    call = pyro_jit.CompiledFunction.__call__
+
+    def counted_call(self, *args, **kwargs):
+        with pyro.poutine.block(), pyro.poutine.trace(param_only=True) as capture:
+            self.fn(*args, **kwargs)
+        num_params[0] = len(capture.trace.nodes)
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(grad_mode, "__enter__", marked_enter)
+    monkeypatch.setattr(grad_mode, "__exit__", marked_exit)
+    monkeypatch.setattr(torch.jit, "trace", checked_trace)
+    monkeypatch.setattr(pyro_jit.CompiledFunction, "__call__", counted_call)
+    p = synthetic_regression(num_groups=12, num_obs=5, dim=3, seed=0, dtype=torch.float64)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = getattr(pyro_hier, name)(p.model)
+    index = torch.arange(0, 12, 2)
+    guide(*p.args, index)
+    JitTrace_ELBO(ignore_jit_warnings=True).loss_and_grads(p.model, guide, *p.args, index)
+    assert "escapes" in found and found["escapes"] == []

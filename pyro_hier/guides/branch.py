@@ -1678,30 +1678,32 @@ class AutoBranchGuide(HierarchicalGuide):
         else:
             cov = fn.variance.detach()
         subsamples = plate_indices(plates)
-        priors = []
         checked = level.name in self._per_element_globals
+        # the prior conditional read once, at the copies and the other sites' values without gradient: the term
+        # E - stop(E) is zero and its gradient reaches the copies alone (read twice before, at the copies and at their
+        # detached values, for the difference of the two: the same value and gradients, twice the graph's work)
+        given = {**{name: value.detach() for name, value in result.items()}, **self._level_values(glob, copies)}
         try:
-            for u in (copies, copies.detach()):  # the same value twice: gradients but the copies' cancel exactly
-                given = {**result, **self._level_values(glob, u)}
-                fns, _ = capture_priors(
-                    self.reading_model,
-                    args,
-                    kwargs,
-                    given,
-                    level.sites,
-                    subsamples,
-                    validate=False,
-                    init=self.site_init,
-                )
-                priors.append(self._level_prior(level, fns))
+            fns, _ = capture_priors(
+                self.reading_model,
+                args,
+                kwargs,
+                given,
+                level.sites,
+                subsamples,
+                validate=False,
+                init=self.site_init,
+            )
+            prior: GaussianPrior | Exception = self._level_prior(level, fns)
         except (RuntimeError, ValueError, IndexError) as error:
             if checked:
                 raise
-            priors = [None, error]
-        if not checked and not self._check_per_element_globals(level, priors[1], args, kwargs, result, subsamples):
+            prior = error
+        if not checked and not self._check_per_element_globals(level, prior, args, kwargs, result, subsamples):
             return term.new_zeros(())
-        expected = [expected_log_density(prior, mean, cov).sum() for prior in priors]
-        return term + (expected[0] - expected[1]) + (probe - probe.detach())
+        assert isinstance(prior, GaussianPrior)
+        expected = expected_log_density(prior, mean, cov).sum()
+        return term + (expected - expected.detach()) + (probe - probe.detach())
 
     @torch.no_grad()
     def _check_per_element_globals(
