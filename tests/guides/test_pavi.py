@@ -512,6 +512,37 @@ def test_natural_power_recovers_the_exponent_of_the_natural_parameter(power):
     assert torch.allclose(found, torch.full((2,), power), atol=1e-3), found
 
 
+def test_natural_power_reads_its_grid_loss_from_per_coordinate_sums():
+    """The grid search's loss is a quadratic form in (1, cosh dw - 1, sinh dw) with per-coordinate sums as
+    coefficients: no (grid, elements, n) tensor (1 GB at 10^5 groups, D = 10: 4.3 s CPU a call, 0.06 s after), and
+    the exponents are the direct sum's (exact, flat and noisy coordinates)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pyro_hier.guides.pavi import POWER_GRID, natural_power
+
+    class Largest(TorchDispatchMode):
+        size = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    Largest.size = max(Largest.size, t.numel())
+            return out
+
+    torch.manual_seed(0)
+    elements, w = 500, torch.tensor(0.05)
+    power = torch.tensor([0.0, 1.0, -2.0, 0.7, 0.0])
+    centre, slope = torch.randn(elements, 5), torch.randn(elements, 5)
+    plus = (power * w).exp() * (centre + slope * w) + 1e-4 * torch.randn(elements, 5)
+    minus = (-power * w).exp() * (centre - slope * w)
+    plus[:, 4] = minus[:, 4] = centre[:, 4]  # a flat coordinate: d = 0
+    with Largest():
+        found = natural_power(plus, centre, minus, w, torch.rand(elements, 5) + 0.1, 1)
+    assert Largest.size < POWER_GRID * elements, Largest.size
+    assert torch.allclose(found, power, atol=2e-3), found
+
+
 def test_minibatch_expansions_back_off_as_full_data_ones_do(monkeypatch):
     """On minibatches of groups every group's pseudo-observation is read from the call on all the data: that redo backs
     off while the last one's slopes predict it (a Gaussian likelihood along the globals' location: always), as on
