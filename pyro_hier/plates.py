@@ -246,14 +246,18 @@ def call_key(args: tuple, kwargs: dict) -> tuple:
             cached = (key, args, kwargs, capture_plates(model, args, kwargs))  # (the arguments held with the key)
     """
 
-    def one(x):
-        if isinstance(x, torch.Tensor):
-            return (id(x), x.data_ptr(), tuple(x.shape), x._version)
-        return id(x)
-
     if torch.jit.is_tracing():  # a traced graph must not hold another call's results as constants: never equal
         return (object(),)
-    return tuple(one(a) for a in args) + tuple((k, one(v)) for k, v in sorted(kwargs.items()))
+    return tuple(argument_key(a) for a in args) + tuple((k, argument_key(v)) for k, v in sorted(kwargs.items()))
+
+
+def argument_key(x: object) -> tuple | int:
+    """One argument's part of :func:`call_key`: its identity, and a tensor's storage, shape and version counter. The
+    same under ``torch.jit.trace`` (for a key that a compiled step may hold on purpose); whoever keeps a result under
+    it must hold the argument with it."""
+    if isinstance(x, torch.Tensor):
+        return (id(x), x.data_ptr(), tuple(x.shape), x._version)
+    return id(x)
 
 
 def drawn_at_random(calls: Mapping[str, PlateCall]) -> bool:

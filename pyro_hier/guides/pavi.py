@@ -59,7 +59,7 @@ from pyro_hier.local_data import (
 )
 from pyro_hier.nn import PackedParameters
 from pyro_hier.optim import tail_average_update
-from pyro_hier.plates import PlateRecorder, capture_plates, row_blocks
+from pyro_hier.plates import PlateRecorder, argument_key, capture_plates, row_blocks
 from pyro_hier.structure import LatentSite, ModelStructure
 
 __all__ = ["AutoPlateAmortizedFlow"]
@@ -379,7 +379,8 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         self.network_rate = float(network_rate)
         self._hooked: weakref.ref | None = None
         self._average_pairs: tuple = ()
-        self._expansion: tuple | None = None  # (call key, {site: the model's pseudo-observation}) of the last refresh
+        # (call key, {site: the model's pseudo-observation}, the call's arguments) of the last refresh
+        self._expansion: tuple | None = None
         self._data_tables: dict[str, list[torch.Tensor]] = {}  # each element's last pseudo-observation with data
         self._start_at_init_loc = init_loc_fn is not None
         self._init_scale = None if init_scale is None else float(init_scale)
@@ -396,7 +397,8 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         self._network_params: str | None = None  # the packed vector's name in the param store (found on first use)
         self._pack_owners: list | None = None  # where each packed parameter's view goes (found on first use)
         self._quadratic: dict[str, bool] = {}  # expanded site → its likelihood is Gaussian in it (checked once)
-        self._modes: tuple | None = None  # (call key, {site: its elements' conditional modes}) of the last expansion
+        # (call key, {site: its elements' conditional modes}, the call's arguments) of the last expansion
+        self._modes: tuple | None = None
         self._unpacked: tuple | None = None  # the memory the networks' views show, after a call without gradients
         self._event_shapes: dict[tuple, torch.Size] = {}  # (site, support type, event shape) → unconstrained event
         self.num_summary_samples = num_summary_samples
@@ -744,7 +746,10 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         return self._constrain(name, u.reshape(u.shape[:-1] + event))
 
     def _call_key(self, args: tuple, kwargs: dict, calls: dict | None) -> tuple:
-        key = tuple(id(a) for a in args) + tuple((k, id(v)) for k, v in sorted(kwargs.items()))
+        """Which call this is (:func:`~pyro_hier.plates.argument_key` of each argument, and the indices of the
+        subsampled plates in ``calls``), kept through a compiled step's trace; whoever keeps a result under it holds
+        the arguments with it."""
+        key = tuple(argument_key(a) for a in args) + tuple((k, argument_key(v)) for k, v in sorted(kwargs.items()))
         if calls:
             key += tuple((n, tuple(c.indices.tolist())) for n, c in sorted(calls.items()))
         return key
@@ -820,7 +825,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         else:
             self._to_data_tables(made, calls)
             self._back_off(previous, made)
-        self._expansion = (key, made)
+        self._expansion = (key, made, (args, kwargs))  # (the arguments held: their identities are in the key)
         return made
 
     def _rows_reference_holds(self) -> bool:
@@ -884,7 +889,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                     and previous[0][: len(previous[0]) - len(reference)] == key[: len(key) - len(reference)]
                 ):
                     self._back_off(previous, made)
-            self._expansion = (key, made)
+            self._expansion = (key, made, (full_args, full_kwargs))
         if not self._data_tables:
             raise StructureError(
                 "the observed sites are not observed in this call (observations omitted, as in "
@@ -988,7 +993,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         # the last conditional modes of the same elements: a warm start
         call_key = self._call_key(args, kwargs, {n: c for n, c in calls.items() if n not in rows})
         modes = self._modes[1] if self._modes is not None and self._modes[0] == call_key else {}
-        self._modes = (call_key, modes)
+        self._modes = (call_key, modes, (args, kwargs))
 
         def site_mode(name: str) -> tuple:
             """The site's expansion at its conditional mode given ``values`` (the rest of the model's)."""

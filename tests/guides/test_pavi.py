@@ -584,3 +584,24 @@ def test_globals_start_no_wider_than_autonormal():
     assert float(hi - lo) / 1.349 == pytest.approx(0.1, rel=0.15)
     lo, mid, hi = guide.quantiles([0.25, 0.5, 0.75], y)["b"]
     assert float(mid) == pytest.approx(1.0, abs=0.01) and float(hi - lo) / 1.349 == pytest.approx(0.02, rel=0.15)
+
+
+def test_data_written_in_place_are_read_again():
+    """The model's pseudo-observations are kept while the call's arguments are the same tensors, unmodified: data
+    written in place (or a new tensor that happens to reuse a freed one's identity) are read again. Before, the key
+    was the arguments' identities alone, so ``y.add_(3)`` left q conditioned on the old data."""
+
+    def model(y=None):
+        mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+        with pyro.plate("groups", 4):
+            a = pyro.sample("a", dist.Normal(mu, 1.0))
+            with pyro.plate("obs", 5, dim=-2):
+                pyro.sample("y", dist.Normal(a, 0.5), obs=y)
+
+    y = torch.randn(5, 4)
+    guide = AutoPlateAmortizedFlow(model)
+    before = guide.median(y)["a"]
+    y.add_(3.0)
+    after = guide.median(y)["a"]
+    torch.testing.assert_close(after, guide.median(y.clone())["a"])
+    assert float((after - before).abs().min()) > 1.0  # each group's mean follows its data (5 obs of sd 0.5)
