@@ -543,26 +543,41 @@ def test_natural_power_reads_its_grid_loss_from_per_coordinate_sums():
     assert torch.allclose(found, power, atol=2e-3), found
 
 
-def test_minibatch_expansions_back_off_as_full_data_ones_do(monkeypatch):
-    """On minibatches of groups every group's pseudo-observation is read from the call on all the data: that redo backs
-    off while the last one's slopes predict it (a Gaussian likelihood along the globals' location: always), as on
-    full-data calls. Before, it was redone every ``EXPANSION_EVERY`` calls, a step cost growing with the number of
-    groups (74 ms at N = 1,000, 820 ms at 10,000; 18 and 130 ms after, benchmarks/step_time.py's problem)."""
+def test_minibatch_reads_only_its_stale_rows_and_backs_off(monkeypatch):
+    """On minibatches of groups each call reads from the model only its own groups not read at the current reference
+    (the model restricted to them): a step costs O(minibatch), not a redo of all N groups every ``EXPANSION_EVERY`` or
+    more calls (before: ~75 s CPU every ~20 steps at N = 100,000, benchmarks/step_time.py's problem). The interval
+    between references still backs off while the rows read again are what their slopes predicted (a Gaussian
+    likelihood along the globals' location: always), and each group's table entry is the one a read of all the data at
+    the same reference gives, whichever groups shared its minibatch."""
     from pyro_hier.guides import pavi as pavi_module
+    from pyro_hier.plates import capture_plates
     from pyro_hier.problems import synthetic_regression
 
     p = synthetic_regression(num_groups=40, num_obs=5, dim=2, seed=0, dtype=torch.float64)
     guide = AutoPlateAmortizedFlow(p.model)
     reads = []
     expand = pavi_module.AutoPlateAmortizedFlow._expand
-    monkeypatch.setattr(
-        pavi_module.AutoPlateAmortizedFlow, "_expand", lambda self, *a: reads.append(1) or expand(self, *a)
-    )
+
+    def counted(self, args, kwargs, calls, powers=None):
+        reads.append(int(calls["groups"].indices.shape[0]))
+        return expand(self, args, kwargs, calls, powers)
+
+    monkeypatch.setattr(pavi_module.AutoPlateAmortizedFlow, "_expand", counted)
     svi = SVI(p.model, guide, pyro.optim.Adam({"lr": 0.01}), Trace_ELBO())
     g = torch.Generator().manual_seed(0)
     for _ in range(160):
         svi.step(*p.args, subsample=torch.randperm(40, generator=g)[:8])
-    assert len(reads) <= 5  # at calls 0, 10, 20, 40, 80 (160 next); 16 without the back-off
+    assert reads and max(reads) <= 8  # never all 40 groups (before: 5 reads of 40)
+    assert float(guide._state("every")) > pavi_module.EXPANSION_EVERY  # backed off
+    fresh = guide._fresh["z"].reshape(-1)
+    assert 0 < int(fresh.sum()) < 40  # some groups read at this reference, others still at their own
+    table = guide._from_data_tables(capture_plates(p.model, p.args, {}))["z"]
+    with torch.no_grad():
+        full = expand(guide, p.args, {}, capture_plates(p.model, p.args, {}))["z"]
+    for mine, theirs in zip((table[0], table[1], *table[2][:3]), (full[0], full[1], *full[2][:3]), strict=True):
+        torch.testing.assert_close(mine.reshape(40, -1)[fresh], theirs.expand_as(mine).reshape(40, -1)[fresh])
+    assert float(table[2][3].abs().reshape(40, -1)[~fresh].max()) > 0  # the others: offsets from their reference
 
 
 def test_globals_start_no_wider_than_autonormal():
