@@ -889,7 +889,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         the reference are the same. (Plates that Pyro subsamples at random, ``subsample_size=`` without indices from
         the caller, cannot be reopened in full here: their elements are expanded from the minibatch's own data, which
         makes q depend on the minibatch; pass the indices, e.g. ``subsample=idx``, to avoid it.)"""
-        restricted = self._row_plates(calls) if torch._C._get_tracing_state() is None else None
+        restricted = self._row_plates(calls)
         done = False
         if restricted is not None:  # (the arguments without the indices: no run of the model on all the data)
             given = [calls[p].indices for p in restricted]
@@ -897,9 +897,22 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             cleared_kwargs = {k: None if any(v is g for g in given) else v for k, v in kwargs.items()}
             stamp = ("rows", *self._call_key(cleared, cleared_kwargs, None), *reference)
             forced = {n: torch.arange(c.size, device=c.indices.device) for n, c in calls.items() if not c.user_indices}
-            done = self._read_stale_rows(
-                args, kwargs, calls, restricted, forced, stamp, (cleared, cleared_kwargs), len(reference)
-            )
+            tracing = torch._C._get_tracing_state()
+            try:  # (inside a compiled step, whose replays only gather the tables: every element, read untraced)
+                torch._C._set_tracing_state(None)
+                done = self._read_stale_rows(
+                    args,
+                    kwargs,
+                    calls,
+                    restricted,
+                    forced,
+                    stamp,
+                    (cleared, cleared_kwargs),
+                    len(reference),
+                    everything=tracing is not None,
+                )
+            finally:
+                torch._C._set_tracing_state(tracing)
         if done:
             if not self._data_tables:
                 raise StructureError(
@@ -957,6 +970,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         stamp: tuple,
         held: tuple,
         reference_size: int,
+        everything: bool = False,
     ) -> bool:
         r"""Read again, from the model restricted to them, this minibatch's elements whose expansion in the tables was
         not read at ``stamp`` (the call on all the data and the current reference): the model is run with each
@@ -969,8 +983,13 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
 
         When the reference has moved since the tables' stamp, the first elements read again at the new one that had
         been read before decide the interval to the next move (:meth:`_back_off_rows`), as a redo on all the data
-        did. Returns ``False`` where the model does not take the call's indices from an argument as they are (the
-        caller then reads all the data)."""
+        did. ``everything``: read every element of the plates not read at ``stamp``, not only the call's (a step
+        compiled by ``JitTrace_ELBO``, whose replays gather the tables without running Python). Returns ``False``
+        where the model does not take the call's indices from an argument as they are (the caller then reads all the
+        data)."""
+        given = {p: calls[p].indices for p in plates}  # (the arguments the model takes its indices from)
+        if everything:  # (the stale elements among all the plates' elements)
+            calls = {**calls, **{p: _Indices(torch.arange(calls[p].size, device=given[p].device)) for p in plates}}
         moved = self._table_stamp is not None and self._table_stamp[0] != stamp
         if stamp == self._unobserved_stamp:
             return True  # (the observations omitted in this call: the elements' last data)
@@ -993,7 +1012,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         if not any(bool(v.any()) for v in stale_along.values()):
             return True
         rows = {p: calls[p].indices[v.to(calls[p].indices.device)] for p, v in stale_along.items()}
-        swap = {id(calls[p].indices): rows[p] for p in plates}
+        swap = {id(given[p]): rows[p] for p in plates}
         if len(swap) != len(plates):
             return False
         new_args = tuple(swap.get(id(a), a) for a in args)
@@ -2008,6 +2027,13 @@ def _scatter_elements(full: torch.Tensor, axes: list[tuple[int, torch.Tensor]], 
     inner = full.index_select(axis, idx)
     _scatter_elements(inner, rest, part)
     full.index_copy_(axis, idx, inner)
+
+
+class _Indices:
+    """A plate's elements for :meth:`AutoPlateAmortizedFlow._element_axes` (``indices`` only)."""
+
+    def __init__(self, indices: torch.Tensor) -> None:
+        self.indices = indices
 
 
 def _average_hook(guide: weakref.ref) -> None:
