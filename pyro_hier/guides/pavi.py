@@ -34,6 +34,7 @@ from pyro_hier.conjugate import (
     gaussian_update,
     precision_to_scale_tril,
     pseudo_observation,
+    rest_log_density,
     warm_conditional_mode,
 )
 from pyro_hier.distributions import StickingTheLanding
@@ -408,6 +409,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         self._network_params: str | None = None  # the packed vector's name in the param store (found on first use)
         self._pack_owners: list | None = None  # where each packed parameter's view goes (found on first use)
         self._quadratic: dict[str, bool] = {}  # expanded site → its likelihood is Gaussian in it (checked once)
+        self._globals_read: dict[str, torch.Tensor] = {}  # expanded site → which globals its likelihood reads (once)
         # (call key, {site: its elements' conditional modes}, the call's arguments) of the last expansion
         self._modes: tuple | None = None
         self._unpacked: tuple | None = None  # the memory the networks' views show, after a call without gradients
@@ -1298,12 +1300,46 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             if sweep == 0 and all(self._quadratic.get(n) for n in siblings):
                 values = prior_values  # (every sibling Gaussian in the likelihood: expanded as before, at prior means)
                 break
+
+        def globals_read(name: str, centre: torch.Tensor) -> torch.Tensor:
+            """Which coordinates of the globals the site's expansion reads: those of the global sites that its
+            gradient's graph reaches (autograd, so structural: checked once per site). The others' reads at ±w are
+            the centre's, bit for bit: slopes 0 and exponent 0, not read."""
+            found = self._globals_read.get(name)
+            if found is not None:
+                return found
+            assert glob is not None
+            level = self._level_of[name]
+            scale = math.prod(s.plates[p].size for p in level.plates) / max(
+                1, math.prod(int(calls[p].indices.shape[0]) for p in level.plates)
+            )
+            model = self.reading_model if blocks[0] is None else blocks[0](self.reading_model)
+            read = torch.zeros(glob.numel, dtype=torch.bool)
+            with torch.enable_grad():
+                at, leaves = dict(values), []
+                for n in glob.sites:  # (one leaf per global site: autograd tells which are read, not their slices)
+                    leaf = ref_mean.detach().clone().requires_grad_(True)
+                    at[n] = self._constrain(n, self._site_unconstrained(glob, n, leaf, broadcast=False))
+                    leaves.append(leaf)
+                u = centre.detach().clone().requires_grad_(True)
+                own = {name: self._site_value(name, u)}
+                total = rest_log_density(model, args, kwargs, at, own, scale, given, observed, validate=False)
+                if total.requires_grad:
+                    (g,) = torch.autograd.grad(total, u, create_graph=True, allow_unused=True)
+                    if g is not None and g.requires_grad:
+                        deps = torch.autograd.grad(g.sum(), leaves, allow_unused=True)
+                        for n, dep in zip(glob.sites, deps, strict=True):
+                            read[glob.block(n)] = dep is not None
+            self._globals_read[name] = read
+            return read
+
         for name in self._expanded_sites:
             site, expand, centre, gradient, curvature, quadratic, prior, p0, floor, diagonal = site_mode(name)
             level = self._level_of[name]
             info, natural = pseudo_observation(gradient, curvature, centre, diagonal)
             slopes = None
             if glob is not None and glob.numel:
+                read = globals_read(name, centre)
                 nodes = SLOPE_NODES if quadratic else DERIVATIVE_STEP
                 width = ref_sd * nodes
                 natural0 = _natural_at(gradient, curvature, centre, diagonal)
@@ -1311,6 +1347,12 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                 kept = None if powers is None else powers.get(name)
                 targets, logs, exponents, fitted = [], [], [], []
                 for k in range(glob.numel):
+                    if not read[k]:  # (the likelihood does not read this global)
+                        fitted.append(natural0.new_zeros(natural0.shape[-1:]))
+                        targets.append(torch.zeros_like(natural0))
+                        logs.append(torch.zeros_like(natural0))
+                        exponents.append(torch.zeros_like(natural0))
+                        continue
                     pair = []
                     for sign in (1.0, -1.0):
                         shifted = ref_mean.clone()

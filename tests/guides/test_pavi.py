@@ -578,6 +578,19 @@ def test_minibatch_reads_only_its_stale_rows_and_backs_off(monkeypatch):
     for mine, theirs in zip((table[0], table[1], *table[2][:3]), (full[0], full[1], *full[2][:3]), strict=True):
         torch.testing.assert_close(mine.reshape(40, -1)[fresh], theirs.expand_as(mine).reshape(40, -1)[fresh])
     assert float(table[2][3].abs().reshape(40, -1)[~fresh].max()) > 0  # the others: offsets from their reference
+    assert not bool(guide._globals_read["z"].any())  # theta is not read by the likelihood: no reads along it
+
+    def model(y=None):
+        mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+        sigma = pyro.sample("sigma", dist.LogNormal(0.0, 1.0))
+        with pyro.plate("groups", 4):
+            a = pyro.sample("a", dist.Normal(mu, 1.0))
+            with pyro.plate("obs", 3, dim=-2):
+                pyro.sample("y", dist.Normal(a, sigma), obs=y)
+
+    guide = AutoPlateAmortizedFlow(model)
+    guide(torch.randn(3, 4))
+    assert guide._globals_read["a"].tolist() == [False, True]  # the noise scale is read, the population mean is not
 
 
 def test_globals_start_no_wider_than_autonormal():
