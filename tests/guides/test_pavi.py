@@ -588,6 +588,7 @@ def test_minibatch_reads_only_its_stale_rows_and_backs_off(monkeypatch):
             with pyro.plate("obs", 3, dim=-2):
                 pyro.sample("y", dist.Normal(a, sigma), obs=y)
 
+    pyro.clear_param_store()
     guide = AutoPlateAmortizedFlow(model)
     guide(torch.randn(3, 4))
     assert guide._globals_read["a"].tolist() == [False, True]  # the noise scale is read, the population mean is not
