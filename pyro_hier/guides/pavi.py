@@ -219,8 +219,8 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
     :data:`EXPANSION_BACKOFF` times that, while the slopes predict each redo: :func:`predicted_expansions`) and at
     once for other arguments. On minibatches of groups (``subsample=idx``) each element keeps its expansion with the
     reference it was read at, moved from there along its slopes, and is read again — from the model restricted to the
-    minibatch's elements that need it — when it is next in a minibatch after the reference moved, with the exponents
-    :math:`D` kept from the last read that fitted them (a step then costs O(minibatch): at N = 100,000 groups a redo
+    minibatch's elements that need it — when it is next in a minibatch after the reference moved, each with its own
+    exponents :math:`D` fitted to its own three reads (a step then costs O(minibatch): at N = 100,000 groups a redo
     of all of them cost about 75 s CPU every ~20 steps);
     :math:`\bar\theta` and the reference are gradient-free parameters (``references``), so ``state_dict``, the param
     store and pickles carry them. A site with latent descendants (the regions above groups of a three-level model)
@@ -388,11 +388,10 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         self._expansion: tuple | None = None
         self._data_tables: dict[str, list[torch.Tensor]] = {}  # each element's last pseudo-observation with data
         # minibatches: which elements of the tables were read at the current (data, reference) — the stamp, held with
-        # the arguments — and the site's exponents D kept for the rows read again (see _read_stale_rows)
+        # the arguments (see _read_stale_rows)
         self._fresh: dict[str, torch.Tensor] = {}
         self._table_stamp: tuple | None = None
         self._unobserved_stamp: tuple | None = None  # (a stamp whose call omits the observations: not read again)
-        self._powers: dict[str, torch.Tensor] = {}
         self._backoff_due = False  # the reference moved: the next rows read again decide the interval (_back_off_rows)
         self._start_at_init_loc = init_loc_fn is not None
         self._init_scale = None if init_scale is None else float(init_scale)
@@ -891,7 +890,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         the reference are the same. (Plates that Pyro subsamples at random, ``subsample_size=`` without indices from
         the caller, cannot be reopened in full here: their elements are expanded from the minibatch's own data, which
         makes q depend on the minibatch; pass the indices, e.g. ``subsample=idx``, to avoid it.)"""
-        restricted = self._row_plates(calls)
+        restricted = self._row_plates(args, kwargs, calls)
         done = False
         if restricted is not None:  # (the arguments without the indices: no run of the model on all the data)
             given = [calls[p].indices for p in restricted]
@@ -951,15 +950,26 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             )
         return self._from_data_tables(calls)
 
-    def _row_plates(self, calls: dict) -> list[str] | None:
-        """The subsampled plates of a minibatch call when each is one of every expanded site's plates (so that an
-        element's likelihood lies in its own rows of the model restricted to some of them), else ``None``."""
+    def _row_plates(self, args: tuple, kwargs: dict, calls: dict) -> list[str] | None:
+        """The subsampled plates of a minibatch call whose indices are arguments of the model (``subsample=idx``),
+        when each is one of every expanded site's plates, no other plate of theirs is subsampled, and the call holds
+        all the data of its elements (rows following their groups, :func:`~pyro_hier.local_data.data_complete`): an
+        element's likelihood then lies in its own rows of the model restricted to some of them. Else ``None``."""
+        assert self.structure is not None
+        given = [*args, *kwargs.values()]
         subsampled = [n for n, c in calls.items() if c.subsampled]
-        if not subsampled or not all(calls[n].user_indices for n in subsampled):
+        plates = [n for n in subsampled if any(calls[n].indices is a for a in given)]
+        if not plates:
             return None
-        if not all(set(subsampled) <= set(self._level_of[n].plates) for n in self._expanded_sites):
-            return None
-        return subsampled
+        observed = [n for n, site in self.structure.observed.items() if not is_factor(site.fn)]
+        for name in self._expanded_sites:
+            level = self._level_of[name]
+            if not set(plates) <= set(level.plates) or any(p in level.plates for p in subsampled if p not in plates):
+                return None
+            above = set(level.plates).union(*(self._levels_by_name[a].plates for a in level.ancestors))
+            if not all(data_complete(self.structure, o, level.plates, above, calls) for o in observed):
+                return None
+        return plates
 
     @torch.no_grad()
     def _read_stale_rows(
@@ -977,7 +987,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         r"""Read again, from the model restricted to them, this minibatch's elements whose expansion in the tables was
         not read at ``stamp`` (the call on all the data and the current reference): the model is run with each
         subsampled plate's index argument (``subsample=idx``) replaced by the call's indices that hold such elements,
-        and with the exponents :math:`D` kept (:meth:`_expand`; the first read fits them to its rows). The others
+        each with its own exponents :math:`D` (:meth:`_expand` with ``per_element``). The others
         keep their expansion, moved to the globals' draw along their slopes from their own reference
         (:math:`e^{D\Delta}(ar\eta + B\Delta)`, as :meth:`_from_data_tables` gives it). So an element's expansion
         is a function of its own data and the guide's state, whichever elements share its minibatch, and a step costs
@@ -1025,11 +1035,9 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         for p in plates:
             if p not in new_calls or not torch.equal(new_calls[p].indices, rows[p]):
                 return False  # (the model does not use the argument as its indices)
-        if any(c.subsampled and n not in plates for n, c in new_calls.items()):
-            return False  # (another plate subsampled in the restricted call: the caller reads all the data)
         try:
             with keep_random_state():
-                made = self._expand(new_args, new_kwargs, new_calls, powers=self._powers)
+                made = self._expand(new_args, new_kwargs, new_calls, per_element=True)
         except Unobserved:
             self._unobserved_stamp = stamp
             return True
@@ -1142,7 +1150,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         return made
 
     @torch.no_grad()
-    def _expand(self, args: tuple, kwargs: dict, calls: dict, powers: dict | None = None) -> dict:
+    def _expand(self, args: tuple, kwargs: dict, calls: dict, per_element: bool = False) -> dict:
         r"""The model's pseudo-observation of each expanded site: the second-order expansion of the rest of the model
         (its likelihood) at the reference — the globals at ``ref_mean``, the plated sites at their prior conditional's
         mean there (:func:`~pyro_hier.conjugate.element_expansion`), or where the likelihood is not Gaussian in the
@@ -1157,10 +1165,11 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         likelihood is quadratic in the site, else :data:`~pyro_hier.guides.branch.DERIVATIVE_STEP`), as
         :class:`~pyro_hier.AutoBranchGuide` and :class:`~pyro_hier.AutoAmortizedBranchGuide` read them.
 
-        The exponents :math:`D` of :math:`\eta` along the globals (:func:`natural_power`, shared by a site's elements)
-        are fitted to the elements read, and kept (``_powers``); ``powers`` ``{site: D (n, d_g)}`` gives them instead
-        (a minibatch's rows read again: :meth:`_read_stale_rows`), so that an element's expansion is a function of its
-        own data and the guide's state, not of the other elements read with it."""
+        The exponents :math:`D` of :math:`\eta` along the globals (:func:`natural_power`) are shared by the site's
+        elements read, in least squares; with ``per_element`` (a minibatch's elements read again:
+        :meth:`_read_stale_rows`) each element gets its own, fitted to its own three reads, so that its expansion is
+        a function of its own data and the guide's state, not of the other elements read with it. Slopes along the
+        globals that the likelihood does not read (autograd, checked once per site) are 0 without reads."""
         assert self.structure is not None
         s = self.structure
         subsamples = {name: call.indices for name, call in calls.items()}
@@ -1344,11 +1353,9 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                 width = ref_sd * nodes
                 natural0 = _natural_at(gradient, curvature, centre, diagonal)
                 weight = 1.0 / (info if diagonal else info.diagonal(dim1=-2, dim2=-1)).add(p0)
-                kept = None if powers is None else powers.get(name)
-                targets, logs, exponents, fitted = [], [], [], []
+                targets, logs, exponents = [], [], []
                 for k in range(glob.numel):
                     if not read[k]:  # (the likelihood does not read this global)
-                        fitted.append(natural0.new_zeros(natural0.shape[-1:]))
                         targets.append(torch.zeros_like(natural0))
                         logs.append(torch.zeros_like(natural0))
                         exponents.append(torch.zeros_like(natural0))
@@ -1362,17 +1369,20 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                         pair.append((_natural_at(g, f, centre, diagonal), diag.clamp(min=floor).log()))
                     w = width[..., k]
                     power = natural0.new_zeros(natural0.shape[-1:])
-                    if quadratic and kept is not None:  # (kept from an earlier read: see the docstring)
-                        power = kept[..., k].to(natural0)
+                    if quadratic and per_element:  # (each element's own, from its three reads: see the docstring)
+                        shape = natural0.shape
+                        power = natural_power(
+                            *(t.expand(shape).reshape(1, -1) for t in (pair[0][0], natural0, pair[1][0])),
+                            w,
+                            weight.expand(shape).reshape(1, -1),
+                            1,
+                        ).reshape(shape)
                     elif quadratic:  # the exponent of η along this global (0 off the Gaussian case: a derivative)
                         power = natural_power(pair[0][0], natural0, pair[1][0], w, weight, len(level.batch_shape))
-                    fitted.append(power)
                     up, down = (power * w).exp(), (-power * w).exp()
                     targets.append((pair[0][0] * down - pair[1][0] * up) / (2 * w))
                     logs.append((pair[0][1] - pair[1][1]) / (4 * w))  # log √Λ: half the log precision
                     exponents.append(power.expand_as(natural0))
-                if quadratic and kept is None:
-                    self._powers[name] = torch.stack(fitted, -1)
                 slopes = (torch.stack(targets, -1), torch.stack(logs, -1), torch.stack(exponents, -1), None)
             made[name] = (info, natural, slopes)
         return made

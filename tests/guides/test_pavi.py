@@ -559,9 +559,9 @@ def test_minibatch_reads_only_its_stale_rows_and_backs_off(monkeypatch):
     reads = []
     expand = pavi_module.AutoPlateAmortizedFlow._expand
 
-    def counted(self, args, kwargs, calls, powers=None):
+    def counted(self, args, kwargs, calls, per_element=False):
         reads.append(int(calls["groups"].indices.shape[0]))
-        return expand(self, args, kwargs, calls, powers)
+        return expand(self, args, kwargs, calls, per_element)
 
     monkeypatch.setattr(pavi_module.AutoPlateAmortizedFlow, "_expand", counted)
     svi = SVI(p.model, guide, pyro.optim.Adam({"lr": 0.01}), Trace_ELBO())
