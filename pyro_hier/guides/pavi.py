@@ -834,12 +834,8 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             with keep_random_state():
                 made = self._expand(args, kwargs, calls)
         except Unobserved:  # the observations omitted (Predictive with obs=None): each element's last data
-            if not self._data_tables:
-                raise StructureError(
-                    "the observed sites are not observed in this call (observations omitted, as in "
-                    "Predictive(model, guide=guide) with obs=None) and the guide has not been called with its data "
-                    "yet: call the guide (or train it) on the data first"
-                ) from None
+            made = None
+        if made is None:
             made = self._from_data_tables(calls)
         else:
             self._to_data_tables(made, calls)
@@ -919,12 +915,6 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
             finally:
                 torch._C._set_tracing_state(tracing)
         if done:
-            if not self._data_tables:
-                raise StructureError(
-                    "the observed sites are not observed in this call (observations omitted, as in "
-                    "Predictive(model, guide=guide) with obs=None) and the guide has not been called with its data "
-                    "yet: call the guide (or train it) on the data first"
-                )
             return self._from_data_tables(calls)
         full_args, full_kwargs, forced = full_data_call(self.model, args, kwargs, calls)
         key = ("all data", *self._call_key(full_args, full_kwargs, None), *reference)
@@ -946,12 +936,6 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
                 ):
                     self._back_off(previous, made)
             self._expansion = (key, made, (full_args, full_kwargs))
-        if not self._data_tables:
-            raise StructureError(
-                "the observed sites are not observed in this call (observations omitted, as in "
-                "Predictive(model, guide=guide) with obs=None) and the guide has not been called with its data "
-                "yet: call the guide (or train it) on the data first"
-            )
         return self._from_data_tables(calls)
 
     def _row_plates(self, args: tuple, kwargs: dict, calls: dict) -> list[str] | None:
@@ -1152,8 +1136,9 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         for name in self._expanded_sites:
             if name not in self._data_tables:
                 raise StructureError(
-                    f"site '{name}': the observed sites are not observed in this call and the guide has not seen "
-                    "their data yet: call the guide (or train it) on the data first"
+                    f"site '{name}': the observed sites are not observed in this call (observations omitted, as in "
+                    "Predictive(model, guide=guide) with obs=None) and the guide has not seen their data yet: call "
+                    "the guide (or train it) on the data first"
                 )
             level = self._level_of[name]
             ndim = len(level.batch_shape)
