@@ -254,7 +254,15 @@ def call_key(args: tuple, kwargs: dict) -> tuple:
 def argument_key(x: object) -> tuple | int:
     """One argument's part of :func:`call_key`: its identity, and a tensor's storage, shape and version counter. The
     same under ``torch.jit.trace`` (for a key that a compiled step may hold on purpose); whoever keeps a result under
-    it must hold the argument with it."""
+    it must hold the argument with it.
+
+    Example::
+
+        y = torch.zeros(3)
+        key = argument_key(y)
+        y.add_(1.0)  # an in-place write advances the version counter
+        assert argument_key(y) != key
+    """
     if isinstance(x, torch.Tensor):
         return (id(x), x.data_ptr(), tuple(x.shape), x._version)
     return id(x)

@@ -870,8 +870,12 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         if previous is None or previous[2] is None:
             return
         moved = self._state("ref_mean") - previous[1]
+        self._next_interval(predicted_expansions(previous[2], moved, made))
+
+    def _next_interval(self, held: bool) -> None:
+        """The calls to the next new reference: twice the last (up to :data:`EXPANSION_BACKOFF` times
+        :data:`EXPANSION_EVERY`) when the last expansion's slopes predicted this one, else :data:`EXPANSION_EVERY`."""
         every = float(self._state("every"))
-        held = predicted_expansions(previous[2], moved, made)
         self._write_state(
             "every", torch.tensor(min(2 * every, EXPANSION_EVERY * EXPANSION_BACKOFF) if held else EXPANSION_EVERY)
         )
@@ -1091,11 +1095,7 @@ class AutoPlateAmortizedFlow(HierarchicalGuide):
         if not checks:
             return
         self._backoff_due = False
-        every = float(self._state("every"))
-        held = all(predicted_expansions(old, moved, new) for old, moved, new in checks)
-        self._write_state(
-            "every", torch.tensor(min(2 * every, EXPANSION_EVERY * EXPANSION_BACKOFF) if held else EXPANSION_EVERY)
-        )
+        self._next_interval(all(predicted_expansions(old, moved, new) for old, moved, new in checks))
 
     def _element_axes(self, name: str, calls: dict, ndim: int) -> list[tuple[int, torch.Tensor]]:
         """``(axis, indices)`` of a site's plates in a table whose batch has ``ndim`` dims."""
