@@ -312,6 +312,74 @@ def test_brute_force_chunked_plate(proposal):
     assert mp.sample_posterior(3)["z"].shape == (3, N)
 
 
+@pytest.mark.parametrize("chunks", [{}, {"chunk_plate": "units", "chunk_size": 3}])
+def test_brute_force_control_variate(chunks):
+    """``moments(site, proposal_draws=M)`` is the proposal's mean (from M draws of the guide: here known exactly,
+    q(mu) = N(0.5, 0.8) and z_n's marginal mean 0.25 + OFF_n) plus sum_k (w_k - 1/K) f(z_k), the weights by brute
+    force: equal within the M draws' Monte Carlo error."""
+    K, N, M = 3, 4, 40_000
+    mp = MPImportance(model, dependent_guide, num_samples=K, max_plate_nesting=2, **chunks)
+    mp.run(X)
+    lw, mu, z = global_local_table(mp, X, [(n, n) for n in range(N)], True)
+    w = (lw - lw.logsumexp(tuple(range(lw.dim())))).exp()
+    w_mu, w_z = marginal(w, 0), torch.stack([marginal(w, 1 + n) for n in range(N)], -1)
+    exact = {
+        ("mu", None): 0.5 + ((w_mu - 1 / K) * mu).sum(0),
+        ("z", None): 0.25 + OFF + ((w_z - 1 / K) * z).sum(0),
+        ("mu", "square"): 0.5**2 + 0.8**2 + ((w_mu - 1 / K) * mu**2).sum(0),
+    }
+    sd = {("mu", None): 0.8, ("z", None): (0.25 * 0.64 + 0.49) ** 0.5, ("mu", "square"): 1.2}
+    for (site, fn), value in exact.items():
+        got = mp.moments(site, torch.square if fn else None, proposal_draws=M)
+        assert got.shape == value.shape
+        assert torch.allclose(got, value, atol=4 * sd[(site, fn)] / M**0.5), (site, fn, got, value)
+
+
+def test_control_variate_removes_a_shifted_global_mean():
+    """theta ~ N(0, 1), z_i ~ N(theta, 1), y_ij ~ N(z_i, 1) over 200 groups: a guide whose q(theta) sits a quarter
+    of a posterior sd off (as a variational optimum shifted by its groups' gaps) and whose q(z_i | theta) is exact.
+    Over 12 runs (K = 32) the control-variate mean of theta is within its Monte Carlo error of the exact mean, its
+    spread smaller than the self-normalised estimate's, and the guide's own mean is not within that error."""
+    gen = torch.Generator().manual_seed(0)
+    N, n = 200, 5
+    y = 0.7 + torch.randn(N, 1, generator=gen, dtype=f64) * 1.2 + torch.randn(N, n, generator=gen, dtype=f64)
+    ybar = y.mean(-1)
+    precision = 1 + N / (1 + 1 / n)
+    mean, sd = float((ybar / (1 + 1 / n)).sum() / precision), precision**-0.5
+
+    def lg_model(y):
+        theta = pyro.sample("theta", Normal(y.new_zeros(()), 1.0))
+        with pyro.plate("groups", N, dim=-2):
+            z = pyro.sample("z", Normal(theta, 1.0))
+            with pyro.plate("obs", n, dim=-1):
+                pyro.sample("y", Normal(z, 1.0), obs=y)
+
+    def shifted_guide(y):
+        theta = pyro.sample("theta", Normal(y.new_tensor(mean + 0.25 * sd), sd))
+        with pyro.plate("groups", N, dim=-2):  # the exact conditional of z_i given theta
+            pyro.sample("z", Normal((theta + n * ybar.unsqueeze(-1)) / (1 + n), (1 + n) ** -0.5))
+
+    pyro.set_rng_seed(0)
+    cv, snis = [], []
+    for _ in range(12):
+        mp = MPImportance(lg_model, shifted_guide, num_samples=32).run(y)
+        cv.append(float(mp.moments("theta", proposal_draws=4096)))
+        snis.append(float(mp.moments("theta")))
+    cv, snis = torch.tensor(cv), torch.tensor(snis)
+    se = float(cv.std()) / len(cv) ** 0.5
+    assert abs(float(cv.mean()) - mean) < 4 * se + 0.02 * sd, (float(cv.mean()), mean, se)
+    assert float(cv.std()) < 0.75 * float(snis.std()), (float(cv.std()), float(snis.std()))  # 0.49 over 40 runs
+    assert 0.25 * sd > 4 * se + 0.02 * sd
+
+
+def test_control_variate_needs_a_guide_and_a_sampled_site():
+    mp = MPImportance(model, num_samples=2).run(X)
+    with pytest.raises(ValueError, match="proposal_draws needs a guide"):
+        mp.moments("mu", proposal_draws=10)
+    with pytest.raises(ValueError, match="proposal_draws must be"):
+        mp.moments("mu", proposal_draws=-1)
+
+
 # ------------------------------------------------------------------------------------------------- unbiasedness
 def _ratio_stats(runs):
     r = torch.stack(runs)

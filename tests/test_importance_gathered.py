@@ -10,6 +10,7 @@ import pyro.distributions as dist
 import pytest
 import torch
 from pyro import poutine
+from pyro.infer.autoguide import AutoNormal
 
 from pyro_hier.errors import StructureError
 from pyro_hier.infer import MPImportance
@@ -476,3 +477,19 @@ def test_a_model_that_indexes_its_groups_from_the_left_gets_the_fix_named():
 
     with pytest.raises(ValueError, match=r"Shape mismatch(.|\n)*a\[\.\.\., idx\] instead of a\[idx\]"):
         MPImportance(model, num_samples=4).run()
+
+
+def test_data_in_another_dtype_than_the_guide_gets_the_fix_named():
+    """A float32 guide's samples meet float64 data in the model's matrix product: the error says so and names the fix,
+    not the left-indexing hint of a shape error."""
+    x = torch.randn(6, 2, dtype=torch.float64)
+
+    def model(x):
+        beta = pyro.sample("beta", dist.Normal(torch.zeros(2, dtype=x.dtype), 1.0).to_event(1))
+        with pyro.plate("data", 6):
+            pyro.sample("y", dist.Normal((x @ beta.unsqueeze(-1)).squeeze(-1), 1.0), obs=torch.zeros_like(x[:, 0]))
+
+    guide = AutoNormal(model)
+    guide(x.float())
+    with pytest.raises(RuntimeError, match=r"(.|\n)*dtype of the guide's parameters(.|\n)*guide\.to\(torch\.float64\)"):
+        MPImportance(model, guide, num_samples=4).run(x)

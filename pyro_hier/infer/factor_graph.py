@@ -28,6 +28,7 @@ sums it into the plate it reads (:mod:`pyro_hier.infer.gathered`).
 from __future__ import annotations
 
 import math
+import re
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -706,7 +707,14 @@ def build_factor_graph(
 
 def _vectorisation_error(e: Exception, K: int) -> Exception:
     """The model's error on its vectorised run, with what that run does to it (the usual cause of a shape error in a
-    model that runs alone): an exception of the same type."""
+    model that runs alone), or, for an error between dtypes, that the guide's samples carry its parameters' dtype: an
+    exception of the same type."""
+    if re.search(r"scalar type|dtype|found (Double|Float|Half|BFloat16)", str(e)):
+        return type(e)(
+            f"{e}\n(MPImportance runs the model on the guide's samples, which carry the dtype of the guide's "
+            "parameters: the model's data are in another dtype. Pass the data in the guide's dtype (x.float()), or "
+            "convert the guide to the data's (guide.to(torch.float64)) before MPImportance(...).run.)"
+        )
     return type(e)(
         f"{e}\n(MPImportance runs the model once with its {K} samples of every latent in batch dims to the left of "
         "the model's plates, as Pyro's vectorised particles do: a model that fails only then indexes or multiplies "

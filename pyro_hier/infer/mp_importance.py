@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+import pyro
 import torch
+from pyro import poutine
 
 from pyro_hier.infer.chunking import Pass, run_chunked
 from pyro_hier.infer.contraction import (
@@ -86,6 +88,7 @@ class MPImportance:
         mp.get_log_normalizer()            # log P̂, an estimate (lower bound in expectation) of log p(y)
         mp.moments("z")                    # E[z | y] per plate element
         mp.moments("z", lambda z: z**2)    # E[z² | y]
+        mp.moments("theta", proposal_draws=4096)  # with the guide's own mean as control variate (see moments)
         mp.marginal_weights("z")           # (K, *batch_shape), sums to 1 over the first dim
         mp.get_ESS("z")                    # effective sample size per plate element
         samples = mp.sample_posterior(1000)
@@ -179,6 +182,7 @@ class MPImportance:
         self._marginals: dict[str, torch.Tensor] | None = None
         self._means: dict[str, torch.Tensor] | None = None
         self._sampler: tuple[list[str], dict[str, list[str]], dict[str, torch.Tensor]] | None = None
+        self._call: tuple[tuple, dict] | None = None
 
     # ------------------------------------------------------------------------------------------------------ running
     def run(self, *args, **kwargs) -> MPImportance:
@@ -214,6 +218,7 @@ class MPImportance:
         else:
             graph, passes, log_normalizer, estimate, structure = self._run_chunked(args, kwargs)
         self._graph, self._estimate, self._passes, self._structure = graph, estimate, passes, structure
+        self._call = (args, dict(kwargs))
         self._dtype = graph.model_dtype or graph.dtype
         self._log_normalizer = log_normalizer.detach()
         self._marginals = self._means = self._sampler = None
@@ -336,7 +341,9 @@ class MPImportance:
         that times the posterior quantity)."""
         return graph.effective_scale(plates, p.scales)
 
-    def _moment_item(self, graph: FactorGraph, p: Pass, name: str, fn: Callable | None, key) -> tuple:
+    def _moment_item(
+        self, graph: FactorGraph, p: Pass, name: str, fn: Callable | None, key, centred: bool = False
+    ) -> tuple:
         site = graph.sites[name]
         value = site.value
         dtype = graph.dtype
@@ -362,7 +369,12 @@ class MPImportance:
         axis = None if chunk is None else len(site.batch_shape) + graph.dim(chunk)
         scale = self._scale(graph, p, site.plates)
         ordinal = graph.ordinal(site.plates)
-        return key, source, Factor(f"moments of {name}", packed, ordinal), lambda g: (g / scale, axis)
+        factor = Factor(f"moments of {name}", packed, ordinal)
+        if not centred:
+            return key, source, factor, lambda g: (g / scale, axis)
+        # the plain average of the K samples per element: the weighted one less it is the control-variate correction
+        plain = _natural(out.detach().mean(0), source.dim()).expand(source.shape)
+        return key, source, factor, lambda g: (g / scale - plain, axis)
 
     def _marginal_item(self, graph: FactorGraph, p: Pass, symbol: str) -> tuple:
         index = graph.indices[symbol]
@@ -407,14 +419,54 @@ class MPImportance:
         w = self.marginal_weights(site)
         return 1.0 / w.pow(2).sum(0)
 
-    def moments(self, site: str, fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    def moments(
+        self,
+        site: str,
+        fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        *,
+        proposal_draws: int = 0,
+    ) -> torch.Tensor:
         r"""Posterior expectation :math:`E[fn(z) \mid x]` per plate element, ``fn`` defaulting to the identity.
 
         Computed as :math:`\partial \log \hat P(J) / \partial J` at :math:`J = 0` with the source factor
-        :math:`J \cdot fn(z)` added to the site's log factor. ``fn`` must act elementwise over the leading (sample
-        and plate) dims of the value; the result has shape ``(*batch_shape, *fn_event_shape)`` (e.g. the site's
-        value shape for the identity)."""
+        :math:`J \cdot fn(z)` added to the site's log factor: the self-normalised estimate
+        :math:`\sum_k w^k f(z^k)`, :math:`w^k` the marginal weights. ``fn`` must act elementwise over the leading
+        (sample and plate) dims of the value; the result has shape ``(*batch_shape, *fn_event_shape)`` (e.g. the
+        site's value shape for the identity).
+
+        **Control variate** (``proposal_draws = M > 0``). The plain average :math:`\bar f = \frac1K \sum_k
+        f(z^k)` of the same samples estimates the proposal's own mean :math:`E_q[f]`, which ``M`` draws of the guide
+        alone (no model run) estimate far more precisely, :math:`\hat m_q`; the estimate is then
+
+        .. math::
+
+            \hat E[f] = \hat m_q + \sum_k w^k f(z^k) - \bar f
+                      = \hat m_q + \sum_k \big(w^k - \tfrac1K\big) f(z^k),
+
+        consistent as the self-normalised one is (the two added terms have the same expectation), and with a
+        variance of order :math:`\operatorname{Var}_q\big((K w - 1) f\big)/K` in place of
+        :math:`\operatorname{Var}_q(K w f)/K`: far smaller where the weights are nearly uniform, i.e. where the
+        proposal is close and the posterior only tilts it. That is the case of the globals of a fitted guide over
+        many groups, whose variational optimum is shifted by the summed ELBO gaps of the groups (a shift fixed in
+        the globals' units, so growing as :math:`\sqrt N` in posterior sds): on a hierarchical logistic regression
+        with :math:`10^4` groups (``benchmarks/crossover.py``) a fitted :class:`~pyro_hier.AutoBranchGuide`'s
+        global mean is 0.19 sd off; ``K = 64`` and ``M = 4096`` bring it to 0.05 sd, where the self-normalised
+        estimate is 0.32 sd off. Where the weights are far from uniform (a poor proposal; a group's own effect
+        with few samples) it gains little and adds :math:`\hat m_q`'s error, :math:`\operatorname{sd}_q /
+        \sqrt M`. Needs a guide (the proposal's draws are the guide's); not for enumerated sites.
+
+        Example::
+
+            mp = MPImportance(model, guide, num_samples=64).run(x, y)
+            mp.moments("theta", proposal_draws=4096)   # the globals' posterior mean, corrected from the guide's
+
+        Reference: A. B. Owen, *Monte Carlo theory, methods and examples*, 2013, ch. 8-9 (control variates and
+        self-normalised importance sampling)."""
         self._site(site)
+        if isinstance(proposal_draws, bool) or not isinstance(proposal_draws, int) or proposal_draws < 0:
+            raise ValueError(f"proposal_draws must be a non-negative int, got {proposal_draws!r}")
+        if proposal_draws:
+            return self._controlled_moments(site, fn, proposal_draws)
         if fn is None:
             if self._means is None:
                 self._compute_marginals()
@@ -423,6 +475,57 @@ class MPImportance:
             lambda graph, p: [self._moment_item(graph, p, site, fn, site)] if site in p.sites else []
         )
         return results[site].to(self._dtype)
+
+    def _controlled_moments(self, site: str, fn: Callable | None, num_draws: int) -> torch.Tensor:
+        """:meth:`moments` with the proposal's mean as a control variate (see there)."""
+        if self.guide is None:
+            raise ValueError(
+                "proposal_draws needs a guide: the control variate's proposal mean comes from the guide's draws "
+                "(with guide=None the proposal is the prior); pass the guide to MPImportance, or proposal_draws=0"
+            )
+        if self.graph.indices[self.graph.sites[site].index].enumerated:
+            raise ValueError(f"{site!r} is enumerated (its moments are exact sums): use proposal_draws=0")
+        correction = self._source_passes(
+            lambda graph, p: [self._moment_item(graph, p, site, fn, site, centred=True)] if site in p.sites else []
+        )[site]
+        return (self._proposal_mean(site, fn, num_draws, correction.shape) + correction).to(self._dtype)
+
+    def _proposal_mean(self, name: str, fn: Callable | None, num_draws: int, shape: torch.Size) -> torch.Tensor:
+        """The guide's own mean of ``fn(site)`` per element, as ``shape``, from ``num_draws`` draws of the guide alone
+        (vectorised, at most :data:`PROPOSAL_DRAWS_CHUNK` a call; with ``chunk_plate``, chunk by chunk of the plate
+        for a site in it, the first chunk's call for the others)."""
+        assert self._call is not None
+        args, kwargs = self._call
+        site = self.graph.sites[name]
+        dim = -self.graph.max_plate_nesting - 1
+        calls, axis = [kwargs], None
+        if self.chunk_plate is not None:
+            assert self.chunk_size is not None
+            full = describe_call(self.model, args, kwargs).plates[self.chunk_plate].size
+            starts = range(0, full, self.chunk_size) if self._chunk_plate(site.plates) is not None else [0]
+            calls = [{**kwargs, self.subsample_kwarg: torch.arange(s, min(s + self.chunk_size, full))} for s in starts]
+            axis = len(site.batch_shape) + self.graph.dim(self.chunk_plate)
+        pieces = []
+        for kw in calls:
+            total, done = 0.0, 0
+            while done < num_draws:
+                size = min(PROPOSAL_DRAWS_CHUNK, num_draws - done)
+                with (
+                    torch.no_grad(),
+                    poutine.block(),
+                    poutine.trace() as tr,
+                    pyro.plate("_mp_proposal_draws", size, dim=dim),
+                ):
+                    self.guide(*args, **kw)
+                node = tr.trace.nodes.get(name)
+                if node is None or node["type"] != "sample":
+                    raise ValueError(f"the guide has no sample site {name!r} to draw the proposal's mean from")
+                value = node["value"].to(self.graph.dtype)
+                total = total + _natural((value if fn is None else fn(value)).to(self.graph.dtype).sum(0), len(shape))
+                done += size
+            pieces.append(total / num_draws)
+        mean = pieces[0] if len(pieces) == 1 else torch.cat(pieces, axis)
+        return mean.expand(shape)
 
     # ------------------------------------------------------------------------------------------------------ samples
     def _prepare_sampler(self) -> None:
@@ -552,6 +655,20 @@ class MPImportance:
             k = k.reshape(tuple(k.shape) + (1,) * site.event_dim).expand((k.shape[0], *samples.shape[1:]))
             out[name] = samples.gather(0, k)
         return out
+
+
+#: guide draws per vectorised call when estimating a proposal's mean (:meth:`MPImportance.moments`)
+PROPOSAL_DRAWS_CHUNK = 256
+
+
+def _natural(tensor: torch.Tensor, ndim: int) -> torch.Tensor:
+    """A tensor in the model's layout (size-1 dims for other sites' sample indices, the plate dims, the event) with
+    ``ndim`` dims (``(*batch_shape, *event)``), by its trailing dims: leading size-1 dims dropped or added."""
+    while tensor.dim() > ndim:
+        if tensor.shape[0] != 1:
+            raise ValueError(f"cannot read a tensor of shape {tuple(tensor.shape)} with {ndim} dims")
+        tensor = tensor.squeeze(0)
+    return tensor.reshape((1,) * (ndim - tensor.dim()) + tuple(tensor.shape))
 
 
 def _in_float64(graph: FactorGraph) -> FactorGraph:
