@@ -62,6 +62,7 @@ import numpy as np
 import pyro
 import pyro.distributions as dist
 import torch
+import torch.nn.functional as F
 from pyro.infer import SVI, JitTrace_ELBO, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 
@@ -168,8 +169,118 @@ def max_error(data: Data, theta: np.ndarray, z: np.ndarray) -> float:
     """``max |E_q - E| / sd`` over theta and every z_i (z as (N, D))."""
     assert data.mean is not None and data.sd is not None
     e_theta = np.max(np.abs(theta.reshape(-1) - data.mean["theta"]) / data.sd["theta"])
+    if "z" not in data.mean:  # a reference of theta alone (theta_reference)
+        return float(e_theta)
     e_z = np.max(np.abs(z.reshape(data.N, -1) - data.mean["z"]) / data.sd["z"])
     return float(max(e_theta, e_z))
+
+
+def theta_reference(data: Data, opts: argparse.Namespace, log: Callable[[str], None]) -> None:
+    r"""Theta's posterior mean and sd on the logistic problem where NUTS cannot go, without the groups' (for
+    ``--theta-reference``): Newton's method on theta's log marginal density
+    :math:`F(\theta) = \log p(\theta) + \sum_i \log p(y_i \mid \theta)`, whose gradient and curvature are,
+    with :math:`z_i \mid \theta \sim \mathcal N(\theta, I)` (Fisher's identity and the law of total variance),
+
+    .. math::
+
+        \nabla F = \sum_i \big(E[z_i \mid \theta, y_i] - \theta\big) - \theta, \qquad
+        \nabla^2 F = -(N + 1) I + \sum_i \operatorname{Cov}[z_i \mid \theta, y_i],
+
+    each group's conditional moments by self-normalised importance sampling from its Laplace approximation
+    (line-searched Newton to its mode; ``--theta-reference`` antithetic draws per group, independent over groups, the
+    same at every Newton step), after Newton steps with the Laplace approximations' own moments to get close. The
+    mean is taken at the mode of :math:`F` and the sd from :math:`-\nabla^2 F`: theta's posterior is Gaussian up to
+    :math:`O(N^{-1/2})` sd. Checked against the NumPyro NUTS references (4,000
+    draws): within 0.035 sd at 10³ and 0.025 sd at 10⁴ (their own error 0.010-0.014), sds within 2.2%, with 1,024
+    draws per group (125 CPU s at 10⁴)."""
+    S = opts.theta_reference
+    path = None
+    if opts.reference_cache:
+        path = os.path.join(opts.reference_cache, f"{data.kind}-N{data.N}-seed{opts.seed}-theta-importance{S}.npz")
+        if os.path.exists(path):
+            saved = np.load(path)
+            data.mean, data.sd = {"theta": saved["mean_theta"]}, {"theta": saved["sd_theta"]}
+            data.reference = f"{saved['reference']} (cached: {path})"
+            log(f"  reference: {data.reference}")
+            return
+    t0 = time.process_time()
+    x, y = data.x, data.y
+    N, D = x.shape[0], x.shape[2]
+    theta = x.new_zeros(D)
+    # Newton steps with each group's Laplace moments (no draws) to get close, then with its importance-sampled ones
+    for step, draws in enumerate([0] * 8 + [S] * 4):
+        mean_z, cov_z = conditional_moments(theta, x, y, draws, seed=opts.seed + 2000)
+        grad = (mean_z - theta).sum(0) - theta
+        hess = -(N + 1) * torch.eye(D, dtype=x.dtype) + cov_z.sum(0)
+        move = -torch.linalg.solve(hess, grad)
+        theta = theta + move
+        log(f"  theta reference, Newton step {step} ({draws} draws a group): |move| {float(move.norm()):.2e}")
+        if draws and float(move.norm()) < 1e-5:  # theta's sd is 3e-3 at 10^5 groups
+            break
+    sd = torch.linalg.inv(-hess).diagonal().sqrt()
+    data.mean, data.sd = {"theta": theta.numpy()}, {"theta": sd.numpy()}
+    data.reference = (
+        f"theta only: Newton on its marginal density, each group's conditional by importance sampling ({S} draws "
+        f"a group), {time.process_time() - t0:.0f} CPU s"
+    )
+    log(f"  reference: {data.reference}")
+    if path is not None:
+        os.makedirs(opts.reference_cache, exist_ok=True)
+        np.savez(path, mean_theta=data.mean["theta"], sd_theta=data.sd["theta"], reference=np.array(data.reference))
+
+
+def group_log_joint(z: torch.Tensor, theta: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``log N(z_i; theta, I) + log p(y_i | z_i)`` per group of the logistic problem (``z`` and ``x`` per group)."""
+    logits = (x @ z.unsqueeze(-1)).squeeze(-1)
+    return -0.5 * ((z - theta) ** 2).sum(-1) + (y * logits - F.softplus(logits)).sum(-1)
+
+
+def group_curvature(z: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Minus the Hessian of :func:`group_log_joint` in ``z`` per group, and the success probabilities at ``z``."""
+    p = torch.sigmoid((x @ z.unsqueeze(-1)).squeeze(-1))
+    eye = torch.eye(z.shape[-1], dtype=z.dtype, device=z.device)
+    return eye + x.transpose(1, 2) @ (x * (p * (1 - p)).unsqueeze(-1)), p
+
+
+def conditional_moments(
+    theta: torch.Tensor, x: torch.Tensor, y: torch.Tensor, draws: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's ``E[z_i | theta, y_i]`` and ``Cov[z_i | theta, y_i]`` on the logistic problem (``(N, D)``,
+    ``(N, D, D)``): self-normalised importance sampling from the Laplace approximation at the conditional mode, in
+    chunks of groups (see :func:`theta_reference`); with ``draws = 0``, the Laplace approximation's own."""
+    N, n, D = x.shape
+    gen = torch.Generator().manual_seed(seed)
+    mean, cov = torch.empty(N, D, dtype=x.dtype), torch.empty(N, D, D, dtype=x.dtype)
+    chunk = max(1, int(2e7 // (max(draws, 64) * n)))
+    for a in range(0, N, chunk):
+        xb, yb = x[a : a + chunk], y[a : a + chunk]
+
+        z = theta.expand(xb.shape[0], D).clone()
+        for _ in range(20):  # Newton to the mode, each group's step halved until it improves
+            H, p = group_curvature(z, xb)
+            move = torch.linalg.solve(H, ((theta - z) + (xb * (yb - p).unsqueeze(-1)).sum(1)).unsqueeze(-1))
+            move, now, t = move.squeeze(-1), group_log_joint(z, theta, xb, yb), torch.ones(z.shape[0], 1, dtype=z.dtype)
+            for _ in range(30):
+                worse = group_log_joint(z + t * move, theta, xb, yb) < now
+                if not worse.any():
+                    break
+                t = torch.where(worse.unsqueeze(-1), t / 2, t)
+            z = z + t * move
+        precision = group_curvature(z, xb)[0]
+        if not draws:  # the Laplace approximation's moments
+            mean[a : a + chunk], cov[a : a + chunk] = z, torch.cholesky_inverse(torch.linalg.cholesky(precision))
+            continue
+        root = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(precision)))
+        half = torch.randn(xb.shape[0], draws // 2, D, generator=gen, dtype=x.dtype)
+        eps = torch.cat([half, -half], 1)
+        zs = z.unsqueeze(1) + eps @ root.transpose(1, 2)  # (C, S, D)
+        logits = xb @ zs.transpose(1, 2)  # (C, n, S)
+        log_w = (yb.unsqueeze(-1) * logits - F.softplus(logits)).sum(1) - 0.5 * ((zs - theta) ** 2).sum(-1)
+        w = torch.softmax(log_w + 0.5 * (eps**2).sum(-1), -1).unsqueeze(-1)
+        m = (w * zs).sum(1)
+        d = zs - m.unsqueeze(1)
+        mean[a : a + chunk], cov[a : a + chunk] = m, (w.unsqueeze(-1) * d.unsqueeze(-1) * d.unsqueeze(-2)).sum(1)
+    return mean, cov
 
 
 # ---- results ------------------------------------------------------------------------------------------------------
@@ -396,6 +507,10 @@ def run_svi(
     return out
 
 
+#: groups per chunk of MPImportance's run in mp_corrected (memory: K^2 pair factors and K n Bernoulli terms a group)
+MP_CHUNK = 10_000
+
+
 def mp_corrected(
     data: Data, guide: torch.nn.Module, args: tuple, opts: argparse.Namespace, log: Callable[[str], None], last: Run
 ) -> Run:
@@ -408,7 +523,8 @@ def mp_corrected(
     t0, w0 = opts.clock(), time.perf_counter()
     thetas = []
     for _ in range(R):
-        mp = MPImportance(data.model, guide, num_samples=K).run(*args)
+        chunks = {"chunk_plate": "groups", "chunk_size": MP_CHUNK} if data.N > MP_CHUNK else {}
+        mp = MPImportance(data.model, guide, num_samples=K, **chunks).run(*args)
         thetas.append(mp.moments("theta", proposal_draws=M).detach().to("cpu", torch.float64).numpy())
         del mp
     theta = np.mean(thetas, 0)
@@ -986,6 +1102,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also read the trained guide with theta's mean corrected by MPImportance (K samples per site, the\n"
         "guide's mean as control variate: see mp_corrected()); 0 (default): no correction",
     )
+    p.add_argument(
+        "--theta-reference",
+        type=int,
+        default=0,
+        metavar="S",
+        help="logistic, N > --reference-max-groups: a reference of theta alone, by Newton on its marginal density\n"
+        "with each group's conditional by importance sampling, S draws a group (see theta_reference(); 0: none)",
+    )
     p.add_argument("--mp-repeats", type=int, default=1, help="MPImportance runs averaged by --mp-correction")
     p.add_argument("--mp-proposal-draws", type=int, default=1024, help="guide draws for the control variate's mean")
     p.add_argument("--reference-draws", type=int, default=10_000, help="logistic reference: NumPyro NUTS draws")
@@ -1089,11 +1213,14 @@ def main(argv: list[str] | None = None) -> list[Run]:
             data = make_data(problem, N, opts.seed)
             log(f"{problem} N={N}: data built in {time.perf_counter() - t0:.1f} s; load {os.getloadavg()}")
             if data.mean is None:
-                if N > opts.reference_max_groups or missing_numpyro is not None:
+                if N > opts.reference_max_groups and opts.theta_reference:
+                    theta_reference(data, opts, log)
+                elif N > opts.reference_max_groups or missing_numpyro is not None:
                     why = missing_numpyro or f"N > --reference-max-groups {opts.reference_max_groups}"
                     log(f"  no reference posterior ({why}): skipped")
                     continue
-                reference_moments(data, opts, log)
+                else:
+                    reference_moments(data, opts, log)
             guide_name = opts.guide or recommended_guide(problem, N)
             for method in opts.methods:
                 if method in ("guide", "autonormal"):
