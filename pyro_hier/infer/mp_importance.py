@@ -452,10 +452,10 @@ class MPImportance:
         with :math:`10^4` groups (``benchmarks/crossover.py``) a fitted :class:`~pyro_hier.AutoBranchGuide`'s
         global mean is 0.19 sd off; single runs with ``K = 64`` and ``M = 4096`` put it 0.08-0.12 sd off (the
         self-normalised estimate 0.27-0.32), the mean of four runs 0.05. A run's own scatter, about 0.06-0.08 sd a
-        coordinate there and at :math:`10^3` groups, is what to weigh against the bias it removes. Where the weights are
-        far from uniform (a poor proposal; a group's own effect with few samples) it gains little and adds :math:`\hat
-        m_q`'s error, :math:`\operatorname{sd}_q / \sqrt M`. Needs a guide (the proposal's draws are the guide's); not
-        for enumerated sites.
+        coordinate there and at :math:`10^3` groups, is what to weigh against the bias it removes. Where the weights
+        are far from uniform (a poor proposal; a group's own effect with few samples) it gains little and adds
+        :math:`\hat m_q`'s error, :math:`\operatorname{sd}_q / \sqrt M`. Needs a guide (the proposal's draws are the
+        guide's); not for enumerated sites.
 
         Example::
 
